@@ -1,0 +1,87 @@
+"""Drafter checkpoints in the published layout: config.json + safetensors (one file or index-sharded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import DFlashConfig, DFlashConfigError
+from .drafter import DFlashDrafter
+
+# prefixes some exporters add in front of the published names
+_KNOWN_PREFIXES = ("model.",)
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | Path, max_shard_bytes: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+    """Write config.json and model.safetensors (or model-0000N-of-0000M.safetensors + index when sharded)."""
+    path = Path(path)
+    drafter.config.save(path)
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in state.values()) <= max_shard_bytes:
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards, current, size = [], {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = t, size + nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter directory, names as published (known exporter prefixes stripped)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise DFlashConfigError("weights", str(path), "no *.safetensors file in the drafter directory",
+                                "export the drafter as safetensors (config.json + model.safetensors)")
+    state = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    for prefix in _KNOWN_PREFIXES:
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 target_config=None) -> DFlashDrafter:
+    """Load a published-layout drafter. Optionally validate it against the target's config first."""
+    cfg = DFlashConfig.from_pretrained(path)
+    if target_config is not None:
+        cfg.validate_against_target(target_config)
+    state = read_drafter_weights(path)
+    drafter = DFlashDrafter(cfg)
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DFlashConfigError(
+            "weights", str(path), f"tensor names do not match the config (missing {missing[:6]}, "
+            f"unexpected {unexpected[:6]})", "check num_hidden_layers / target_layer_ids against the checkpoint")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise DFlashConfigError("weights", name, f"shape {tuple(t.shape)} != {tuple(expected[name].shape)} "
+                                    "implied by config.json", "check hidden_size, head counts and target_layer_ids")
+    drafter.load_state_dict(state, strict=True)
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype
+    return drafter.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,264 @@
+"""The drafter's config.json: parse the published layout, validate it against the target.
+
+A published DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16) is a Qwen3-style layer stack whose config.json carries
+the usual transformer fields plus the DFlash keys: top-level ``block_size`` and ``num_target_layers`` and a
+``dflash_config`` dict with ``target_layer_ids`` and ``mask_token_id``. Some keys moved between releases, so every
+DFlash key is read from ``dflash_config`` first and from the top level second.
+
+Every problem raises :class:`DFlashConfigError`, whose message names the key, the bad value and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class DFlashConfigError(ValueError):
+    """A drafter config that cannot be used; the message says which key, which value, and the fix."""
+
+    def __init__(self, key: str, value: Any, problem: str, fix: str):
+        self.key, self.value = key, value
+        super().__init__(f"drafter config: {key}={value!r}: {problem}. Fix: {fix}")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The layer ids a drafter uses when its config names none: evenly spaced over [1, L-3], or [L//2] for one layer."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = (end - start) / (num_draft_layers - 1)
+    return [int(round(start + i * span)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Everything the drafter, the engine and the worker need to know about one drafter checkpoint."""
+
+    # transformer shape (Qwen3 field names)
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    # DFlash
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: sliding layers causal, full layers bidirectional (the paper's drafters)
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), as Gemma does
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    input_embedding_scale: float = 1.0  # block embeddings = target embedding table row * this
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    # everything as read, so that rope settings and unknown keys survive a save
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DFlashConfig":
+        archs = d.get("architectures") or []
+        if SUPPORTED_ARCHITECTURE not in archs:
+            raise DFlashConfigError(
+                "architectures", archs, f"this is not a {SUPPORTED_ARCHITECTURE} checkpoint",
+                f"pass a DFlash drafter directory whose config.json lists {SUPPORTED_ARCHITECTURE} "
+                "(DFlash2DraftModel and other variants are not supported yet)")
+        dflash = d.get("dflash_config") or {}
+
+        def pick(key, default=None):
+            return dflash.get(key, d.get(key, default))
+
+        def need(key):
+            if key not in d:
+                raise DFlashConfigError(key, None, "missing", f"add '{key}' to config.json (a Qwen3Config field)")
+            return d[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        n_layers = int(need("num_hidden_layers"))
+        head_dim = int(d.get("head_dim") or hidden // heads)
+
+        num_target_layers = pick("num_target_layers")
+        if num_target_layers is None:
+            raise DFlashConfigError("num_target_layers", None, "missing",
+                                    "set num_target_layers to the target's num_hidden_layers")
+        num_target_layers = int(num_target_layers)
+
+        ids = pick("target_layer_ids")
+        ids = default_target_layer_ids(num_target_layers, n_layers) if ids is None else [int(i) for i in ids]
+
+        mask = pick("mask_token_id")
+        if mask is None:
+            raise DFlashConfigError(
+                "dflash_config.mask_token_id", None, "missing",
+                "set dflash_config.mask_token_id to the id of a special token of the target's tokenizer")
+
+        layer_types = tuple(d.get("layer_types") or ["full_attention"] * n_layers)
+        if len(layer_types) != n_layers:
+            raise DFlashConfigError("layer_types", list(layer_types),
+                                    f"has {len(layer_types)} entries for {n_layers} layers",
+                                    "give one entry per drafter layer")
+        for t in layer_types:
+            if t not in LAYER_TYPES:
+                raise DFlashConfigError("layer_types", list(layer_types), f"unknown layer type {t!r}",
+                                        f"use one of {LAYER_TYPES}")
+        window = d.get("sliding_window")
+        if "sliding_attention" in layer_types and not window:
+            raise DFlashConfigError("sliding_window", window, "sliding_attention layers need a window",
+                                    "set sliding_window to a positive number of tokens")
+
+        softcap = pick("final_logit_softcapping")
+        cfg = cls(
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            block_size=int(pick("block_size", 16)),
+            num_target_layers=num_target_layers,
+            target_layer_ids=tuple(ids),
+            mask_token_id=int(mask),
+            layer_types=layer_types,
+            sliding_window=int(window) if window else None,
+            is_causal=None if d.get("is_causal") is None else bool(d["is_causal"]),
+            gemma_norm=str(d.get("model_type", "")).startswith("gemma"),
+            attention_bias=bool(d.get("attention_bias", False)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            raw=dict(d),
+        )
+        cfg.check()
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "DFlashConfig":
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        if not file.is_file():
+            raise DFlashConfigError("config.json", str(file), "not found",
+                                    "point --speculative-draft-model-path at the drafter's directory")
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except json.JSONDecodeError as e:
+            raise DFlashConfigError("config.json", str(file), f"is not valid JSON ({e})",
+                                    "re-download or re-export the drafter") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json in the published layout (unknown keys of the original are kept)."""
+        d = dict(self.raw)
+        d.update(
+            architectures=[SUPPORTED_ARCHITECTURE],
+            model_type=d.get("model_type", "qwen3"),
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps, layer_types=list(self.layer_types), sliding_window=self.sliding_window,
+            attention_bias=self.attention_bias, hidden_act=self.hidden_act, tie_word_embeddings=False,
+            block_size=self.block_size, num_target_layers=self.num_target_layers,
+        )
+        dflash = dict(d.get("dflash_config") or {})
+        dflash.update(target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id)
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        d["dflash_config"] = dflash
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    # --------------------------------------------------------------- validation
+    def check(self) -> None:
+        """Checks that need only the drafter's own config."""
+        if self.block_size < 2:
+            raise DFlashConfigError("block_size", self.block_size, "a block needs the bonus token plus >= 1 draft",
+                                    "use block_size >= 2 (the published drafters use 16)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DFlashConfigError("num_key_value_heads", self.num_key_value_heads,
+                                    f"does not divide num_attention_heads={self.num_attention_heads}",
+                                    "fix the head counts")
+        if not self.target_layer_ids:
+            raise DFlashConfigError("dflash_config.target_layer_ids", [], "empty",
+                                    "list the target layers whose hidden states feed the drafter")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DFlashConfigError("dflash_config.mask_token_id", self.mask_token_id,
+                                    f"outside the vocabulary [0, {self.vocab_size})",
+                                    "use the id of a special token that exists in the target's tokenizer")
+
+    def validate_against_target(self, target_config: Any) -> None:
+        """Raise DFlashConfigError unless this drafter can run on the target whose (HF) config is given."""
+        t = _text_config(target_config)
+        vocab, hidden, layers = (_get(t, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
+        if vocab is not None and int(vocab) != self.vocab_size:
+            raise DFlashConfigError("vocab_size", self.vocab_size, f"the target's vocab_size is {vocab}",
+                                    "use a drafter trained for this target (the drafter shares its embedding and "
+                                    "lm_head, so the vocabularies must be identical)")
+        if hidden is not None and int(hidden) != self.hidden_size:
+            raise DFlashConfigError("hidden_size", self.hidden_size, f"the target's hidden_size is {hidden}",
+                                    "use a drafter trained for this target")
+        if layers is not None:
+            layers = int(layers)
+            if self.num_target_layers != layers:
+                raise DFlashConfigError("num_target_layers", self.num_target_layers,
+                                        f"the target has {layers} layers",
+                                        "use a drafter trained for this target")
+            bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
+            if bad:
+                raise DFlashConfigError("dflash_config.target_layer_ids", list(self.target_layer_ids),
+                                        f"ids {bad} are outside the target's layers [0, {layers})",
+                                        "list layer ids of the target (0-based decoder layer indices)")
+
+    # ------------------------------------------------------------------ helpers
+    def layer_is_causal(self, layer: int) -> bool:
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def num_context_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def rope_config(self):
+        """A transformers Qwen3Config carrying this drafter's rope settings (rope maths lives in transformers)."""
+        from transformers import Qwen3Config
+
+        keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "partial_rotary_factor")
+        kwargs = {k: self.raw[k] for k in keys if self.raw.get(k) is not None}
+        return Qwen3Config(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           head_dim=self.head_dim, **kwargs)
+
+
+def _text_config(cfg: Any) -> Any:
+    sub = _get(cfg, "text_config")
+    return sub if sub is not None and _get(cfg, "vocab_size") is None else cfg
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+
+def embedding_scale_for_target(target_config: Any) -> float:
+    """Gemma targets scale token embeddings by sqrt(hidden); a drafter trained for them records the same scale."""
+    t = _text_config(target_config)
+    return math.sqrt(_get(t, "hidden_size")) if str(_get(t, "model_type") or "").startswith("gemma") else 1.0

@@ -1,0 +1,165 @@
+"""The pure-PyTorch reference engine: DFlash speculative decoding and target-only decoding over a batch of requests.
+
+It is the oracle the SGLang worker is tested against and the engine of the CPU demo, so it favours being obviously
+right: each request keeps its own target KV cache (ragged acceptance needs no padding tricks), the drafter runs
+batched over the active requests, and acceptance uses the same pure functions as the worker.
+
+One speculative step, per active request:
+    draft   block [bonus, MASK x (B-1)] at positions fed..fed+B-1, one drafter pass over it and the request's context
+    verify  one target pass over [bonus, d_1..d_{B-1}] on top of its cache, returning logits and hidden states
+    accept  verify_greedy / verify_sampled -> commit_len = accepted drafts + 1 tokens
+    commit  keep the target KV and the drafter context of the fed tokens [bonus, d_1..d_a]; the target's own token
+            becomes the next bonus
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..acceptance import verify_greedy, verify_sampled
+from ..drafter import DFlashDrafter
+from ..sampling import SamplingParams, SamplingTensors, processed_probs, sample_next
+from .target import HFTarget
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    commit_lens: list[int] = field(default_factory=list)  # tokens committed per verify step (tau per step)
+    target_forwards: int = 0  # prefill included
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.commit_lens) / len(self.commit_lens) if self.commit_lens else float("nan")
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    cache: object
+    out: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens whose KV is in the target cache (and whose context rows the drafter has)
+    context: torch.Tensor | None = None  # [fed, H] drafter context rows
+    finish: str | None = None
+    commit_lens: list[int] = field(default_factory=list)
+    forwards: int = 0
+
+    def emit(self, tokens: list[int]) -> None:
+        """Append committed tokens, honouring stop tokens and max_new_tokens."""
+        for t in tokens:
+            self.out.append(t)
+            if t in self.params.stop_token_ids:
+                self.finish = "stop"
+                return
+            if len(self.out) >= self.params.max_new_tokens:
+                self.finish = "length"
+                return
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.prompt, self.out, self.finish or "length", self.commit_lens, self.forwards)
+
+
+class ReferenceEngine:
+    def __init__(self, target_model, drafter: DFlashDrafter | None = None, seed: int = 0):
+        layer_ids = drafter.config.target_layer_ids if drafter is not None else ()
+        if drafter is not None:
+            drafter.config.validate_against_target(target_model.config)
+        self.target = HFTarget(target_model, layer_ids)
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.generator = torch.Generator(device=self.target.device).manual_seed(seed)
+
+    # ---------------------------------------------------------------- public API
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """DFlash speculative decoding. Output is distributed exactly as generate_target_only's."""
+        if self.drafter is None:
+            raise ValueError("ReferenceEngine.generate needs a drafter; use generate_target_only without one")
+        reqs = self._prefill(prompts, params, with_context=True)
+        while active := [r for r in reqs if r.finish is None]:
+            self._speculative_step(active)
+        return [r.result() for r in reqs]
+
+    @torch.inference_mode()
+    def generate_target_only(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                             ) -> list[GenerationResult]:
+        """Plain autoregressive decoding with the same sampling rule: the baseline every path is compared to."""
+        reqs = self._prefill(prompts, params, with_context=False)
+        while active := [r for r in reqs if r.finish is None]:
+            for r in active:
+                logits, _ = self.target.forward([r.out[-1]], r.fed, r.cache)
+                r.fed += 1
+                r.forwards += 1
+                r.commit_lens.append(1)
+                r.emit(self._sample([r], logits[-1:]))
+        return [r.result() for r in reqs]
+
+    # ---------------------------------------------------------------- the step
+    def _speculative_step(self, reqs: list[_Request]) -> None:
+        drafts = self._draft(reqs)  # [n, B-1]
+        logits, features = [], []
+        for r, d in zip(reqs, drafts.tolist()):
+            lg, ft = self.target.forward([r.out[-1], *d], r.fed, r.cache)
+            r.forwards += 1
+            logits.append(lg)
+            features.append(ft)
+        commit_lens, tokens = self._verify(reqs, drafts, torch.stack(logits))
+        for r, n, toks, ft in zip(reqs, commit_lens.tolist(), tokens.tolist(), features):
+            r.cache.crop(r.fed + n)  # keep KV of [bonus, d_1..d_{n-1}]; the rejected tail is dropped
+            r.context = torch.cat([r.context, self.drafter.project_context(ft[:n])])
+            r.fed += n
+            r.commit_lens.append(n)
+            r.emit(toks[:n])
+
+    def _draft(self, reqs: list[_Request]) -> torch.Tensor:
+        """One drafter pass for all requests: block [bonus, MASK...] -> greedy drafts for positions 1..B-1."""
+        cfg, dev = self.drafter.config, self.target.device
+        n, b, c = len(reqs), cfg.block_size, max(r.fed for r in reqs)
+        block_ids = torch.full((n, b), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = torch.tensor([r.out[-1] for r in reqs], device=dev)
+        context = torch.zeros(n, c, cfg.hidden_size, dtype=reqs[0].context.dtype, device=dev)
+        visible = torch.ones(n, b, c + b, dtype=torch.bool, device=dev)
+        for i, r in enumerate(reqs):  # right-pad contexts; padded keys are invisible
+            context[i, : r.fed] = r.context
+            visible[i, :, r.fed: c] = False
+        ctx_pos = torch.arange(c, device=dev).expand(n, c)
+        block_pos = torch.tensor([r.fed for r in reqs], device=dev)[:, None] + torch.arange(b, device=dev)
+        embeds = self.drafter.block_embeddings(block_ids, self.target.embed_weight)
+        hidden = self.drafter(embeds, block_pos, context, ctx_pos, visible)
+        return self.drafter.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1)
+
+    def _verify(self, reqs, drafts, logits):
+        if all(r.params.greedy for r in reqs):
+            return verify_greedy(drafts, logits)
+        n, b, v = logits.shape
+        s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device).repeat_interleave(b)
+        probs = processed_probs(logits.view(n * b, v), s).view(n, b, v)
+        return verify_sampled(drafts, probs, self.generator)
+
+    # ---------------------------------------------------------------- helpers
+    def _prefill(self, prompts, params, with_context: bool) -> list[_Request]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        reqs = []
+        for prompt, p in zip(prompts, params):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one token")
+            r = _Request(list(prompt), p, self.target.new_cache())
+            logits, features = self.target.forward(r.prompt, 0, r.cache)
+            r.fed, r.forwards = len(r.prompt), 1
+            if with_context:
+                r.context = self.drafter.project_context(features)
+            r.emit(self._sample([r], logits[-1:]))
+            reqs.append(r)
+        return reqs
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
+        s = SamplingTensors.from_params([r.params for r in reqs], logits.shape[-1], logits.device)
+        return sample_next(logits, s, self.generator).tolist()

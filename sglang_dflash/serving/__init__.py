@@ -1,0 +1,1 @@
+"""SGLang integration (plugin, worker, draft model). Imported by SGLang's plugin loader only."""

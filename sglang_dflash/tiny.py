@@ -1,0 +1,84 @@
+"""Tiny randomly initialised targets and drafters (Llama, Qwen3, Gemma3) for tests, CI and smoke runs.
+
+Weights are random but deterministic (seeded). ``peak`` scales the lm_head so that logits are spread out: exact
+top-2 ties (which make two correct decoders legitimately disagree) then become rare even in low precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import DFlashConfig
+from .drafter import DFlashDrafter
+
+ARCHS = ("llama", "qwen3", "gemma3")
+
+
+def tiny_target(arch: str = "qwen3", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
+                seed: int = 0, peak: float = 4.0, sliding_window: int = 8, dtype=torch.float32):
+    """A small causal LM of the given family with random weights."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=hidden_size // 4, max_position_embeddings=2048, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if arch == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = tf.Qwen3Config(**common), tf.Qwen3ForCausalLM
+    elif arch == "gemma3":
+        # alternate sliding and full layers with a short window, so sequences cross the window in tests
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        cfg = tf.Gemma3TextConfig(**common, sliding_window=sliding_window, layer_types=layer_types,
+                                  query_pre_attn_scalar=hidden_size // 4)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(f"arch={arch!r}: use one of {ARCHS}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(peak)
+    return model.to(dtype).eval()
+
+
+def tiny_drafter_config(target_config, num_layers: int = 1, block_size: int = 16,
+                        target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                        **overrides) -> dict:
+    """A config.json dict in the published layout, shaped for `target_config`."""
+    from .config import embedding_scale_for_target
+
+    n_target = target_config.num_hidden_layers
+    hidden = target_config.hidden_size
+    d = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "vocab_size": target_config.vocab_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "block_size": block_size,
+        "num_target_layers": n_target,
+        "dflash_config": {
+            "target_layer_ids": target_layer_ids if target_layer_ids is not None else [1, n_target - 2],
+            "mask_token_id": mask_token_id if mask_token_id is not None else target_config.vocab_size - 1,
+        },
+    }
+    scale = embedding_scale_for_target(target_config)
+    if scale != 1.0:
+        d["dflash_config"]["input_embedding_scale"] = scale
+    d.update(overrides)
+    return d
+
+
+def tiny_drafter(target_config, seed: int = 1, dtype=torch.float32, **kwargs) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    return DFlashDrafter(DFlashConfig.from_dict(tiny_drafter_config(target_config, **kwargs))).to(dtype).eval()
