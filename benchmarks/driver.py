@@ -1,0 +1,258 @@
+"""Side-by-side run on one GPU: start, benchmark and stop the servers of each method in turn, then report.
+
+    python -m benchmarks.driver --target T --draft D --out benchmarks/results/RUN [--dummy] -- [bench args]
+
+Methods (``--methods``, in this order by default, so that the greedy cross-check has its baseline first):
+
+- ``none``: the target alone (no speculation);
+- ``builtin``: SGLang's own DFLASH worker, selected through our plugin's switch: the server runs with
+  ``{--worker-env}`` (default ``SGLANG_DFLASH_WORKER=builtin``); without our plugin installed SGLang runs its builtin
+  anyway;
+- ``ours``: our DFLASH worker (the plugin's default: the switch variable is removed from the environment). It is
+  run only when the plugin is importable and registered as an ``sglang.srt.plugins`` entry point, and its numbers
+  are kept only when the server log shows that our worker was used (``--ours-log-marker``); otherwise the method is
+  recorded as skipped with the reason, so builtin numbers can never appear under our name.
+
+Every server gets identical arguments (``--common-args``, plus the speculative ones for builtin/ours), is started
+in its own session (setsid) with its PID recorded, polled on ``/health`` for at most ``--wait-s`` seconds while
+checking that the PID is alive, and stopped by signalling its process group (TERM, then KILL after
+``--stop-wait-s``). Logs: ``OUT/<method>.server.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from . import bench, report
+
+DEFAULT_COMMON = ("--attention-backend triton --sampling-backend pytorch --grammar-backend none "
+                  "--mem-fraction-static 0.8 --cuda-graph-max-bs-decode 128 --max-running-requests 128 --trust-remote-code")
+DEFAULT_SPEC = ("--speculative-algorithm DFLASH --speculative-num-draft-tokens 16 "
+                "--speculative-draft-attention-backend triton")
+PLUGIN_CHECK = (
+    "import importlib.metadata as m, sys\n"
+    "eps = [e for e in m.entry_points(group='sglang.srt.plugins') if e.value.startswith('sglang_dflash')]\n"
+    "assert eps, 'no sglang.srt.plugins entry point from sglang_dflash is installed'\n"
+    "mod = eps[0].value.split(':')[0]\n"
+    "__import__(mod)\n"
+    "print(eps[0].name, eps[0].value)\n")
+
+
+class Server:
+    """One SGLang server in its own process group; always stopped by ``stop()`` (also on errors)."""
+
+    def __init__(self, argv: list[str], env: dict, log: Path, url: str):
+        self.argv, self.env, self.log, self.url = argv, env, log, url
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.log, "w")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        fh.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, wait_s: float, poll_s: float = 2.0) -> tuple[bool, str]:
+        t0 = time.time()
+        while time.time() - t0 < wait_s:
+            if not self.alive():
+                return False, f"server exited with code {self.proc.returncode} before becoming healthy"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return True, f"healthy after {time.time() - t0:.0f} s"
+            except Exception:
+                pass
+            time.sleep(poll_s)
+        return False, f"not healthy after {wait_s:.0f} s"
+
+    def stop(self, wait_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+
+        def group_gone() -> bool:
+            self.proc.poll()  # reap the leader, or its zombie keeps the group id alive
+            try:
+                os.killpg(pgid, 0)
+                return False
+            except ProcessLookupError:
+                return True
+
+        for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 10.0)):
+            if group_gone():
+                break
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            t0 = time.time()
+            while time.time() - t0 < wait and not group_gone():
+                time.sleep(0.2)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def server_argv(args, method: str) -> list[str]:
+    argv = [args.python, "-m", "sglang.launch_server", "--model-path", args.target, "--host", args.host,
+            "--port", str(args.port)] + shlex.split(args.common_args)
+    if args.dummy:
+        argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    if method != "none":
+        if not args.draft:
+            raise SystemExit(f"method {method} needs --draft")
+        argv += ["--speculative-draft-model-path", args.draft] + shlex.split(args.spec_args)
+        if args.dummy:
+            argv += ["--speculative-draft-load-format", "dummy"]
+    return argv
+
+
+def server_env(args, method: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    var, _, val = args.worker_env.partition("=")
+    if method == "builtin":
+        env[var] = val
+    elif method == "ours":
+        env.pop(var, None)
+        for kv in args.ours_env or []:
+            k, _, v = kv.partition("=")
+            env[k] = v
+    return env
+
+
+def ours_available(python: str) -> tuple[bool, str]:
+    try:
+        r = subprocess.run([python, "-c", PLUGIN_CHECK], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False, "plugin check timed out"
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return False, f"our plugin is not available in this environment ({last})"
+    return True, r.stdout.strip()
+
+
+def write_skip(out: Path, method: str, reason: str, extra: dict | None = None) -> None:
+    d = {"method": method, "skipped": reason}
+    d.update(extra or {})
+    (out / f"{method}.json").write_text(json.dumps(d, indent=1) + "\n")
+    print(f"[driver] {method}: SKIPPED - {reason}", flush=True)
+
+
+def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info: dict) -> None:
+    if method == "ours":
+        ok, why = ours_available(args.python)
+        if not ok:
+            write_skip(out, method, why)
+            return
+        print(f"[driver] ours: plugin found ({why})", flush=True)
+    argv = server_argv(args, method)
+    env = server_env(args, method)
+    var = args.worker_env.partition("=")[0]
+    shown_env = f"{var}={env[var]} " if var in env else (f"(unset {var}) " if method == "ours" else "")
+    cmd = shown_env + " ".join(map(shlex.quote, argv))
+    driver_info["server_commands"][method] = cmd
+    srv = Server(argv, env, out / f"{method}.server.log", f"http://{args.host}:{args.port}")
+    print(f"[driver] {method}: starting: {cmd}", flush=True)
+    t0 = time.time()
+    try:
+        srv.start()
+        print(f"[driver] {method}: server pid {srv.pid}", flush=True)
+        ok, why = srv.wait_healthy(args.wait_s)
+        print(f"[driver] {method}: {why}", flush=True)
+        if not ok:
+            write_skip(out, method, f"{why}; log tail:\n{srv.log_tail()}", {"server_command": cmd})
+            return
+        if method == "ours" and not re.search(args.ours_log_marker, srv.log.read_text(errors="replace")):
+            write_skip(out, method, f"server came up but its log has no line matching --ours-log-marker "
+                       f"{args.ours_log_marker!r}, so it may be SGLang's builtin worker; not reported as ours",
+                       {"server_command": cmd})
+            return
+        bargs = bench.parser().parse_args(bench_argv + ["--url", srv.url, "--method", method, "--out", str(out)])
+        result = bench.run(bargs)
+        result["driver"] = dict(driver_info, server_command=cmd, server_pid=srv.pid,
+                                server_ready_s=round(time.time() - t0, 1))
+        (out / f"{method}.json").write_text(json.dumps(result, indent=1) + "\n")
+    finally:
+        srv.stop(args.stop_wait_s)
+        print(f"[driver] {method}: server stopped after {time.time() - t0:.0f} s", flush=True)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.driver", description=__doc__.split("\n\n")[0],
+                                epilog="arguments after -- go to benchmarks.bench (not --url/--method/--out)")
+    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory (builtin and ours)")
+    p.add_argument("--methods", default="none,builtin,ours")
+    p.add_argument("--out", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--python", default=sys.executable, help="interpreter that runs the servers")
+    p.add_argument("--common-args", default=DEFAULT_COMMON, help="launch_server arguments for every method")
+    p.add_argument("--spec-args", default=DEFAULT_SPEC, help="extra launch_server arguments for builtin and ours")
+    p.add_argument("--dummy", action="store_true",
+                   help="random weights: --load-format dummy (+ draft), --skip-tokenizer-init; tau is then a cost "
+                        "measurement only")
+    p.add_argument("--worker-env", default="SGLANG_DFLASH_WORKER=builtin",
+                   help="VAR=VALUE that makes our plugin select SGLang's builtin worker; VAR is unset for ours")
+    p.add_argument("--ours-env", action="append", help="extra VAR=VALUE for the ours server (repeatable)")
+    p.add_argument("--ours-log-marker", default=r"sglang_dflash",
+                   help="regex that must appear in the ours server's log to prove our worker ran")
+    p.add_argument("--wait-s", type=float, default=600.0, help="bound on waiting for /health")
+    p.add_argument("--stop-wait-s", type=float, default=30.0)
+    p.add_argument("--title", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_argv = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, bench_argv = argv[:i], argv[i + 1:]
+    args = parser().parse_args(argv)
+    for bad in ("--url", "--method", "--out"):
+        if bad in bench_argv:
+            raise SystemExit(f"{bad} after -- is set by the driver; remove it")
+    if args.dummy and "--random-weights" not in bench_argv:
+        bench_argv.append("--random-weights")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    driver_info = {"command": "python -m benchmarks.driver " + " ".join(map(shlex.quote, argv + (["--"] + bench_argv
+                                                                                            if bench_argv else []))),
+                   "server_commands": {}}
+
+    def on_signal(signum, frame):  # turn SIGTERM into an exception so the finally blocks stop the server
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    for m in args.methods.split(","):
+        run_method(args, m.strip(), bench_argv, out, driver_info)
+    (out / "driver.json").write_text(json.dumps(driver_info, indent=1) + "\n")
+    report.main([str(out), "--title", args.title or f"{Path(args.target).name}: " + ", ".join(args.methods.split(","))])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

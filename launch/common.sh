@@ -1,0 +1,76 @@
+# launch/common.sh - shared body of the launch scripts (sourced, not run).
+#
+# A model script sets, then calls `launch_main "$@"`:
+#   NAME          preset name (also the sglang_dflash.shapes name for --dummy)
+#   TARGET        default target (HF id or directory; the TARGET_PATH env var overrides)
+#   DRAFT         default DFlash drafter (the DRAFT_PATH env var overrides)
+#   COMMON_ARGS   launch_server arguments for every method (array)
+#   SPEC_ARGS     extra arguments for the speculative methods (array)
+#   BUILTIN_OK    0 when SGLang's builtin DFLASH cannot serve this target (default 1)
+#   NOTES         lines printed with --help
+#
+# Options of every script:
+#   --method ours|builtin|none   ours (default): our worker through the plugin; builtin: SGLang's own DFLASH
+#                                worker, selected with $DFLASH_WORKER_ENV (default SGLANG_DFLASH_WORKER=builtin);
+#                                none: the target alone
+#   --dummy DIR                  exact-shape random weights: writes DIR/target and DIR/draft configs with
+#                                `python -m sglang_dflash.shapes write NAME DIR` if absent, and serves them with
+#                                --load-format dummy (+ draft) --skip-tokenizer-init. Cost only: never report
+#                                acceptance from it.
+#   --port N --host H            (default 30000, 127.0.0.1)
+#   --dry-run                    print the command (one line, env prefix included) and exit
+#   -- ARGS                      appended to the launch_server arguments
+set -euo pipefail
+
+launch_usage() {
+  sed -n '/^# Options/,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  echo
+  echo "preset $NAME: target $TARGET, drafter $DRAFT"
+  for n in "${NOTES[@]:-}"; do [ -n "$n" ] && echo "  note: $n"; done
+  return 0
+}
+
+launch_main() {
+  local method=ours dummy="" port=30000 host=127.0.0.1 dry=0 extra=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --method) method=${2:?--method needs a value}; shift 2 ;;
+      --dummy) dummy=${2:?--dummy needs a directory}; shift 2 ;;
+      --port) port=${2:?}; shift 2 ;;
+      --host) host=${2:?}; shift 2 ;;
+      --dry-run) dry=1; shift ;;
+      -h|--help) launch_usage; return 0 ;;
+      --) shift; extra=("$@"); break ;;
+      *) echo "[$NAME] unknown option $1 (see --help)" >&2; return 2 ;;
+    esac
+  done
+  case "$method" in ours|builtin|none) ;; *) echo "[$NAME] --method $method: use ours, builtin or none" >&2; return 2 ;; esac
+  if [ "$method" = builtin ] && [ "${BUILTIN_OK:-1}" = 0 ]; then
+    echo "[$NAME] SGLang 0.5.17's builtin DFLASH cannot serve this target (its model class has no" \
+         "set_dflash_layers_to_capture); use --method ours or none" >&2
+    return 2
+  fi
+  local target=${TARGET_PATH:-$TARGET} draft=${DRAFT_PATH:-$DRAFT}
+  local args=(--model-path "$target" --host "$host" --port "$port" "${COMMON_ARGS[@]}")
+  if [ -n "$dummy" ]; then
+    target="$dummy/target"; draft="$dummy/draft"
+    if [ "$dry" = 0 ] && [ ! -f "$target/config.json" ]; then
+      ${PYTHON:-python3} -m sglang_dflash.shapes write "$NAME" "$dummy" >&2
+    fi
+    args=(--model-path "$target" --host "$host" --port "$port" "${COMMON_ARGS[@]}"
+          --load-format dummy --skip-tokenizer-init)
+  fi
+  local envs=()
+  local var=${DFLASH_WORKER_ENV:-SGLANG_DFLASH_WORKER=builtin}
+  if [ "$method" != none ]; then
+    args+=(--speculative-draft-model-path "$draft" "${SPEC_ARGS[@]}")
+    [ -n "$dummy" ] && args+=(--speculative-draft-load-format dummy)
+    if [ "$method" = builtin ]; then envs=("$var"); else envs=("-u" "${var%%=*}"); fi
+  fi
+  args+=("${extra[@]}")
+  if [ "$dry" = 1 ]; then
+    printf '%s' "env"; printf ' %q' "${envs[@]}" "${PYTHON:-python3}" -m sglang.launch_server "${args[@]}"; echo
+    return 0
+  fi
+  exec env "${envs[@]}" "${PYTHON:-python3}" -m sglang.launch_server "${args[@]}"
+}

@@ -1,0 +1,223 @@
+"""The DFlash drafter built from SGLang layers, registered for the published ``DFlashDraftModel`` architecture.
+
+Same maths as :class:`sglang_dflash.drafter.DFlashDrafter` (the oracle), but with SGLang's parallel linears,
+RMSNorm, RoPE and ``RadixAttention``, so the draft runs in a draft ModelRunner on the backend chosen by
+``--speculative-draft-attention-backend`` and can be captured in CUDA graphs.
+
+The draft's KV cache holds, for every committed token, each layer's K/V of that token's *context row*
+``hidden_norm(fc(target features))`` (``write_context_kv``), and for the block being drafted the K/V of the block
+tokens themselves (written by the attention call). Block queries see all of it: full-attention layers are
+non-causal (ENCODER_ONLY), sliding layers causal within their window, as ``DFlashConfig.layer_is_causal`` says.
+
+Embedding and lm_head belong to the target: ``bind_target`` hands them over after both models are loaded.
+The forward embeds ``input_ids`` itself, so no ``input_embeds`` (which SGLang's runner casts to bfloat16)
+crosses the runner and float32 serving stays float32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DFlashConfig
+
+
+def _sglang():
+    # Imported lazily: this module is imported by the worker inside the scheduler process only.
+    from sglang.srt.layers import layernorm, linear, radix_attention, rotary_embedding
+
+    return layernorm, linear, radix_attention, rotary_embedding
+
+
+def _norm(dim: int, eps: float, gemma: bool):
+    layernorm = _sglang()[0]
+    return layernorm.GemmaRMSNorm(dim, eps=eps) if gemma else layernorm.RMSNorm(dim, eps=eps)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_id: int):
+        super().__init__()
+        _, linear, radix_attention, rotary_embedding = _sglang()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.q_size, self.kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        self.qkv_proj = linear.QKVParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                 bias=cfg.attention_bias, prefix=f"layers.{layer_id}.qkv_proj")
+        self.o_proj = linear.RowParallelLinear(self.q_size, h, bias=cfg.attention_bias,
+                                               prefix=f"layers.{layer_id}.o_proj")
+        self.q_norm = _norm(d, cfg.rms_norm_eps, cfg.gemma_norm)
+        self.k_norm = _norm(d, cfg.rms_norm_eps, cfg.gemma_norm)
+        raw = cfg.raw
+        rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        theta = raw.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        scaling = raw.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        self.rotary_emb = rotary_embedding.get_rope(d, rotary_dim=d, max_position=int(raw.get(
+            "max_position_embeddings", 32768)), base=theta, rope_scaling=scaling, is_neox_style=True)
+        causal, window = cfg.layer_is_causal(layer_id), cfg.layer_window(layer_id)
+        attn_type = radix_attention.AttentionType.DECODER if causal else radix_attention.AttentionType.ENCODER_ONLY
+        if window is not None and not causal:
+            raise ValueError(f"drafter layer {layer_id}: a non-causal sliding-window layer (is_causal=false with "
+                             "sliding_attention) has no SGLang attention mode. Fix: drop is_causal=false")
+        self.attn = radix_attention.RadixAttention(
+            cfg.num_attention_heads, d, d ** -0.5, cfg.num_key_value_heads, layer_id=layer_id,
+            sliding_window_size=(window - 1) if window else -1, attn_type=attn_type)
+
+    def _qk_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        return norm(x.reshape(-1, self.head_dim)).view_as(x)
+
+    def forward(self, positions, x, forward_batch):
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, self._qk_norm(q, self.q_norm), self._qk_norm(k, self.k_norm))
+        out, _ = self.o_proj(self.attn(q, k, v, forward_batch))
+        return out
+
+    def context_kv(self, positions: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of context rows (no input_layernorm on this path): k_norm + RoPE on K, V as projected."""
+        w = self.qkv_proj.weight[self.q_size:]  # the K and V rows of the fused projection (a view)
+        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
+        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        k = self._qk_norm(k, self.k_norm)
+        _, k = self.rotary_emb(positions, torch.empty_like(k), k)  # a dummy Q: the rope op needs one
+        return k, v
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_id: int):
+        super().__init__()
+        _, linear, _, _ = _sglang()
+        from sglang.srt.layers.activation import SiluAndMul
+
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"drafter hidden_act={cfg.hidden_act!r}: only silu is supported. Fix: use a SwiGLU drafter")
+        self.gate_up_proj = linear.MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                              bias=False, prefix=f"layers.{layer_id}.gate_up_proj")
+        self.down_proj = linear.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False,
+                                                  prefix=f"layers.{layer_id}.down_proj")
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act(gate_up))
+        return out
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_id)
+        self.mlp = DraftMLP(cfg, layer_id)
+        self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
+        self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
+
+    def forward(self, positions, x, forward_batch):
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """SGLang model class for ``architectures: ["DFlashDraftModel"]`` (weights: layers.*, fc, hidden_norm, norm)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("quantized DFlash drafters are not supported. Fix: serve the drafter unquantized")
+        self.dflash = cfg = DFlashConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
+        self.config = config
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
+        self.fc = nn.Linear(cfg.num_context_features * h, h, bias=False)
+        self.hidden_norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
+        self.embed_weight: torch.Tensor | None = None  # the target's, set by bind_target
+        self.lm_head_weight: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------ wiring
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
+
+    def get_attention_sliding_window_size(self):
+        windows = [self.dflash.layer_window(i) for i in range(self.dflash.num_hidden_layers)]
+        windows = [w for w in windows if w]
+        return (windows[0] - 1) if windows else None
+
+    # ------------------------------------------------------------------------------------------- maths
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[N, K*H] captured target hidden states -> [N, H] context rows."""
+        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+
+    @torch.no_grad()
+    def write_context_kv(self, target_features: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor,
+                         kv_pool) -> None:
+        """Write every layer's context K/V of these tokens into the draft KV pool at cache_loc."""
+        ctx = self.project_context(target_features)
+        for layer in self.layers:
+            attn = layer.self_attn
+            k, v = attn.context_kv(positions, ctx)
+            kv_pool.set_kv_buffer(attn.attn, cache_loc, k.view(-1, attn.attn.tp_k_head_num, attn.head_dim),
+                                  v.view(-1, attn.attn.tp_v_head_num, attn.head_dim))
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kwargs):
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        if input_embeds is None:
+            input_embeds = F.embedding(input_ids, self.embed_weight)
+            if self.dflash.input_embedding_scale != 1.0:
+                input_embeds = input_embeds * self.dflash.input_embedding_scale
+        x = input_embeds.to(self.fc.weight.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the target's lm_head (with the config's multiplier / softcap)."""
+        logits = F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        if self.dflash.output_multiplier != 1.0:
+            logits = logits * self.dflash.output_multiplier
+        cap = self.dflash.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    # ----------------------------------------------------------------------------------------- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            name = {"encoder.fc.weight": "fc.weight",
+                    "encoder.output_norm_enc.weight": "hidden_norm.weight"}.get(name, name)
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in fused:
+                parts[-2], shard = fused[parts[-2]]
+                name = ".".join(parts)
+            if name not in params:
+                raise ValueError(f"drafter weight {name!r} has no place in DFlashDraftModel "
+                                 f"({self.dflash.num_hidden_layers} layers). Fix: check the checkpoint's config.json")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if shard is not None:
+                loader(param, tensor, shard)
+            elif loader is not None:
+                loader(param, tensor)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"drafter weight {name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}. "
+                                     "Fix: the checkpoint does not match its config.json")
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"drafter checkpoint lacks {missing[:6]}. Fix: check the checkpoint files")
+        return loaded
+
+
+EntryClass = [DFlashDraftModel]

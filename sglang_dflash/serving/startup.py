@@ -1,0 +1,126 @@
+"""Server-argument handling for DFLASH with our worker: everything that can be checked before a model loads.
+
+Runs in the launcher process (SGLang's ``_handle_dflash`` step), so a bad setup stops the server with a
+non-zero exit and one message naming the bad value and the fix, instead of failing later inside a scheduler.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+from ..config import DFlashConfig, DFlashConfigError
+
+logger = logging.getLogger("sglang_dflash")
+
+GPU_DRAFT_BACKENDS = ("triton", "fa3", "fa4", "flashinfer")
+CPU_DRAFT_BACKENDS = ("torch_native",)
+
+
+class DFlashStartupError(ValueError):
+    """A server setup our DFLASH worker cannot run; the message says which flag/value and the fix."""
+
+
+def _is_cpu(server_args) -> bool:
+    return str(server_args.device or "").startswith("cpu")
+
+
+def supported_draft_backends(server_args) -> tuple[str, ...]:
+    if _is_cpu(server_args):
+        return CPU_DRAFT_BACKENDS
+    backends = tuple(b for b in GPU_DRAFT_BACKENDS if b != "flashinfer" or importlib.util.find_spec("flashinfer"))
+    return backends
+
+
+def resolve_draft_attention_backend(server_args) -> str:
+    """The draft's attention backend: the flag if supported (error otherwise), else triton / torch_native."""
+    choices = supported_draft_backends(server_args)
+    backend = server_args.speculative_draft_attention_backend
+    if backend is None:
+        backend = "torch_native" if _is_cpu(server_args) else "triton"
+    elif backend not in choices:
+        raise DFlashStartupError(
+            f"--speculative-draft-attention-backend {backend!r} is not supported by the sglang-dflash worker on "
+            f"device {server_args.device!r}. Fix: use one of {list(choices)}")
+    server_args.speculative_draft_attention_backend = backend
+    return backend
+
+
+def load_draft_config(server_args) -> DFlashConfig:
+    path = server_args.speculative_draft_model_path
+    if path is None:
+        raise DFlashStartupError("--speculative-algorithm DFLASH needs --speculative-draft-model-path. "
+                                 "Fix: pass the drafter checkpoint directory")
+    if not Path(path).is_dir():
+        raise DFlashStartupError(f"--speculative-draft-model-path {path!r} is not a local directory. Fix: download "
+                                 "the drafter (config.json + *.safetensors) and pass its directory")
+    return DFlashConfig.from_pretrained(path)
+
+
+def _target_config(server_args):
+    cfg_file = Path(server_args.model_path) / "config.json"
+    if cfg_file.is_file():
+        return json.loads(cfg_file.read_text())
+    return server_args.get_model_config().hf_config
+
+
+def check_mask_token(cfg: DFlashConfig, server_args) -> None:
+    """A named mask token (dflash_config.mask_token) must exist in the tokenizer with the configured id."""
+    name = (cfg.raw.get("dflash_config") or {}).get("mask_token") or cfg.raw.get("mask_token")
+    if not name or server_args.skip_tokenizer_init:
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path,
+                                            trust_remote_code=server_args.trust_remote_code)
+    except Exception as e:  # the server's own tokenizer loading reports this better
+        logger.warning("sglang-dflash: could not load the tokenizer to check the mask token (%s)", e)
+        return
+    tid = tok.convert_tokens_to_ids(name)
+    if tid is None or tid == tok.unk_token_id and name != tok.unk_token:
+        raise DFlashConfigError("dflash_config.mask_token", name, "is not a token of the target's tokenizer",
+                                "use a drafter made for this target, or add the token to the tokenizer")
+    if tid != cfg.mask_token_id:
+        raise DFlashConfigError("dflash_config.mask_token_id", cfg.mask_token_id,
+                                f"but the tokenizer maps mask_token {name!r} to id {tid}",
+                                "make mask_token_id match the tokenizer")
+
+
+def handle_dflash_args(original, server_args) -> None:
+    """Replaces SGLang's ``_handle_dflash`` when our worker is selected (it also lifts the CUDA-only restriction)."""
+    cfg = load_draft_config(server_args)
+    cfg.validate_against_target(_target_config(server_args))
+    check_mask_token(cfg, server_args)
+
+    if server_args.pp_size != 1:
+        raise DFlashStartupError(f"--pp-size {server_args.pp_size}: the sglang-dflash worker supports pp_size 1. "
+                                 "Fix: drop --pp-size")
+    if getattr(server_args, "enable_dp_attention", False):
+        raise DFlashStartupError("--enable-dp-attention is not supported by the sglang-dflash worker. "
+                                 "Fix: drop it (tensor parallelism works)")
+    if server_args.speculative_draft_window_size is not None:
+        raise DFlashStartupError(f"--speculative-draft-window-size {server_args.speculative_draft_window_size}: "
+                                 "not supported by the sglang-dflash worker yet. Fix: drop the flag "
+                                 f"(or set {__package__}.plugin WORKER_ENV=builtin)")
+
+    for flag in ("speculative_num_draft_tokens", "speculative_dflash_block_size"):
+        value = getattr(server_args, flag, None)
+        if value is not None and int(value) != cfg.block_size:
+            raise DFlashStartupError(
+                f"--{flag.replace('_', '-')} {value} does not match the drafter's block_size {cfg.block_size} "
+                f"({server_args.speculative_draft_model_path}/config.json). Fix: pass "
+                f"--{flag.replace('_', '-')} {cfg.block_size} or leave it out")
+    server_args.speculative_num_draft_tokens = cfg.block_size
+    # DFLASH verifies one chain of B tokens: EAGLE's steps/topk are fixed so that SGLang's KV accounting is right.
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = 1
+    resolve_draft_attention_backend(server_args)
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = 48
+        logger.info("sglang-dflash: --max-running-requests defaults to 48 with DFLASH (pass it to change)")
+    if server_args.enable_mixed_chunk:
+        server_args.enable_mixed_chunk = False
+        logger.info("sglang-dflash: --enable-mixed-chunk is turned off (a DFLASH decode step is a verify block)")

@@ -1,0 +1,271 @@
+"""Our DFLASH speculative worker for SGLang's V2 (overlap-capable) scheduler.
+
+The scheduler owns requests, KV reservation (``DFlashDraftInputV2.prepare_for_decode`` reserves committed + 2B
+slots per request, one step ahead under overlap; finish/abort/retract release them) and the radix cache. This
+worker owns one model step:
+
+    prefill  target extend with hidden capture -> first token (SGLang's sampler) -> the prompt's draft context K/V
+    decode   draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 greedy drafts
+             verify  one target pass over [bonus, d_1..d_{B-1}], hidden capture -> logits [bs, B, V]
+             accept  acceptance.verify_greedy / verify_sampled                -> commit_lens, tokens
+             commit  publish new lengths; write context K/V of the B verified rows (rows past commit_len are
+                     rewritten by the next step's block, which starts at the new length)
+
+No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
+buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+from ..acceptance import verify_greedy, verify_sampled
+from ..config import DFlashConfig
+from ..sampling import SamplingTensors, processed_probs
+
+logger = logging.getLogger("sglang_dflash")
+
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker  # noqa: E402
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput  # noqa: E402
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2  # noqa: E402
+from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker, make_draft_input_v2  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+
+def register_draft_model() -> None:
+    """Make SGLang build our draft model for the published DFlashDraftModel architecture."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .draft_model import DFlashDraftModel
+
+    ModelRegistry.models["DFlashDraftModel"] = DFlashDraftModel
+
+
+class DFlashWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker, **_):
+        super().__init__()
+        self.server_args, self._target_worker = server_args, target_worker
+        self.model_runner = target_worker.model_runner
+        self.device = target_worker.device
+        self.cfg = DFlashConfig.from_pretrained(server_args.speculative_draft_model_path)
+        self.cfg.validate_against_target(self.model_runner.model_config.hf_config)
+        self.block = B = int(server_args.speculative_num_draft_tokens)
+        if B != self.cfg.block_size:  # startup.handle_dflash_args already enforced this; keep the invariant local
+            raise ValueError(f"speculative_num_draft_tokens={B} != drafter block_size={self.cfg.block_size}")
+
+        register_draft_model()
+        from dataclasses import replace
+
+        bundle = build_draft_tp_worker(
+            server_args=server_args, gpu_id=gpu_id, ps=replace(ps, pp_rank=0), nccl_port=nccl_port,
+            target_model_config=self.model_runner.model_config, algo_label="DFLASH(sglang-dflash)",
+            attention_backend_override=server_args.speculative_draft_attention_backend)
+        self._draft_worker = bundle.draft_worker
+        self.draft_runner = bundle.draft_model_runner
+        self.draft_model = bundle.draft_model
+        target = self.model_runner.model
+        self.draft_model.bind_target(target.get_input_embeddings().weight, _lm_head_weight(target))
+
+        # per-step buffers, sized once (bs never exceeds max_running_requests)
+        cap = max(int(server_args.max_running_requests or 48), 1)
+        dev = self.device
+        self._offsets = torch.arange(B, dtype=torch.int64, device=dev)
+        self._block_ids = torch.full((cap, B), self.cfg.mask_token_id, dtype=torch.int64, device=dev)
+        self._positions = torch.empty((cap, B), dtype=torch.int64, device=dev)
+        self._cache_loc = torch.empty((cap, B), dtype=torch.int64, device=dev)
+        self._verify_ids = torch.empty((cap, B), dtype=torch.int64, device=dev)
+        # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
+        self._draft_spec_info = DFlashVerifyInput(
+            draft_token=torch.empty(0, dtype=torch.int64, device=dev),
+            positions=torch.empty(0, dtype=torch.int64, device=dev), draft_token_num=B,
+            capture_hidden_mode=CaptureHiddenMode.NULL)
+        logger.info("sglang-dflash worker ready: block=%d, draft layers=%d, target_layer_ids=%s, mask_token_id=%d, "
+                    "draft attention=%s, overlap=%s", B, self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
+                    self.cfg.mask_token_id, bundle.resolved_attention_backend,
+                    not server_args.disable_overlap_schedule)
+
+    # ------------------------------------------------------------------------------ scheduler plumbing
+    @property
+    def draft_worker(self):
+        return self._draft_worker
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return (self.model_runner.attn_backend, self.draft_runner.attn_backend)
+
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
+        # The draft shares the target's slot space (req_to_token + allocator): a radix prefix hit is a hit for the
+        # draft's context K/V too, and one reservation covers both caches.
+        self._draft_worker.alloc_memory_pool(memory_pool_config=memory_pool_config,
+                                             req_to_token_pool=req_to_token_pool,
+                                             token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = req_to_token_pool, token_to_kv_pool_allocator
+
+    def init_attention_backends(self):
+        self._draft_worker.init_attention_backends()
+
+    def init_cuda_graphs(self):
+        from sglang.srt.runtime_context import get_exec
+
+        graph_cfg = get_exec().graph.cuda_graph_config
+        from sglang.srt.model_executor.cuda_graph_config import Backend
+
+        enabled = graph_cfg is not None and graph_cfg.decode.backend != Backend.DISABLED and self.device != "cpu"
+        self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=enabled)
+        logger.info("sglang-dflash: draft CUDA graphs %s", "captured" if enabled else "off")
+
+    def __getattr__(self, name):
+        # everything the scheduler asks a TP worker for (and we do not override) is the target's
+        if name.startswith("__") or name in ("_target_worker",):
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    # ------------------------------------------------------------------------------------------- steps
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, **_):
+        if batch.return_logprob:
+            raise ValueError("return_logprob reached the DFLASH worker; the request validator should have refused "
+                             "it (sglang-dflash does not support logprobs yet)")
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self._prefill(batch, on_publish)
+        if batch.forward_mode.is_idle():
+            return self._idle(on_publish)
+        return self._decode_step(batch, on_publish)
+
+    def _prefill(self, batch, on_publish):
+        out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        features = out.logits_output.hidden_states
+        if features is None:
+            raise RuntimeError("target prefill returned no captured hidden states; the target model's DFLASH "
+                               "capture is not configured (set_dflash_layers_to_capture was not called)")
+        # Positions of the extended tokens, from host-side lengths the scheduler already has (no device sync).
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(batch.prefix_lens, batch.extend_lens)])
+        self.draft_model.write_context_kv(features, pos.to(self.device, non_blocking=True), batch.out_cache_loc,
+                                          self.draft_runner.token_to_kv_pool)
+        out.logits_output.hidden_states = None  # never ship [N, K*H] to the host
+        out.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
+        return out
+
+    def _idle(self, on_publish):
+        empty64 = torch.empty((0,), dtype=torch.int64, device=self.device)
+        nxt = make_draft_input_v2(bonus_tokens=empty64, new_seq_lens=empty64)
+        if on_publish is not None:
+            on_publish(nxt.new_seq_lens)
+        return GenerationBatchResult(logits_output=None, next_token_ids=empty64,
+                                     accept_lens=torch.empty((0,), dtype=torch.int32, device=self.device),
+                                     next_draft_input=nxt, speculative_num_draft_tokens=self.block,
+                                     new_seq_lens=nxt.new_seq_lens, can_run_cuda_graph=False)
+
+    def _decode_step(self, batch, on_publish):
+        B, bs = self.block, batch.batch_size()
+        state = batch.spec_info
+        if not isinstance(state, DFlashDraftInputV2):
+            raise RuntimeError(f"DFLASH decode expected DFlashDraftInputV2 state, got {type(state).__name__}")
+        prefix = batch.seq_lens  # committed lengths; the bonus token sits at position prefix
+        block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs)
+        host_lens = self._host_lens(batch, state)
+
+        # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1
+        drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, host_lens, bs)
+
+        # 2) verify: one target pass over [bonus, d_1..d_{B-1}], logits for every position + hidden capture
+        verify_ids = self._verify_ids[:bs]
+        verify_ids[:, 0] = state.bonus_tokens
+        verify_ids[:, 1:] = drafts
+        logits, features, graphed = self._verify(batch, verify_ids, positions, cache_loc, host_lens, bs)
+
+        # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
+        commit_lens, tokens = self._accept(batch, drafts, logits.view(bs, B, -1))
+        bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
+        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        # 4) commit: context K/V of the verified tokens into the draft cache (their target K/V is already written)
+        self.draft_model.write_context_kv(features, positions.reshape(-1), cache_loc.reshape(-1),
+                                          self.draft_runner.token_to_kv_pool)
+        return GenerationBatchResult(
+            logits_output=None, next_token_ids=tokens.clamp_min(0).reshape(-1),
+            accept_lens=commit_lens.to(torch.int32),
+            next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=B, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
+
+    # ----------------------------------------------------------------------------------- step helpers
+    def _block_inputs(self, batch, bonus, prefix, bs):
+        """[bonus, MASK...] ids, their positions, and their KV slots (already reserved by prepare_for_decode)."""
+        block_ids, positions, cache_loc = self._block_ids[:bs], self._positions[:bs], self._cache_loc[:bs]
+        block_ids[:, 0] = bonus  # columns 1.. keep the mask id written at allocation
+        torch.add(prefix[:, None].to(torch.int64), self._offsets, out=positions)
+        rows = batch.req_pool_indices.to(torch.int64)[:, None]
+        cache_loc.copy_(self.req_to_token_pool.req_to_token[rows, positions])
+        return block_ids, positions, cache_loc
+
+    def _host_lens(self, batch, state):
+        """Host-side upper bounds of the attended lengths (committed + B), for backends that plan on the host."""
+        if batch.seq_lens_cpu is not None:
+            lens = batch.seq_lens_cpu + self.block
+        elif state.reserved_seq_lens_cpu is not None:
+            lens = state.reserved_seq_lens_cpu
+        else:
+            return None, None
+        return lens, int(lens.sum())
+
+    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs):
+        seq_lens_cpu, seq_lens_sum = host_lens
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
+            req_pool_indices=batch.req_pool_indices, seq_lens=prefix, out_cache_loc=cache_loc.reshape(-1),
+            seq_lens_sum=seq_lens_sum if seq_lens_sum is not None else 0, seq_lens_cpu=seq_lens_cpu,
+            positions=positions.reshape(-1), spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
+        with torch.inference_mode():
+            hidden = self.draft_runner.forward(fb).logits_output.hidden_states
+        hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:]
+        return self.draft_model.draft_logits(hidden).argmax(dim=-1)
+
+    def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs):
+        vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),
+                                draft_token_num=self.block, capture_hidden_mode=CaptureHiddenMode.FULL)
+        batch.out_cache_loc = cache_loc.reshape(-1)
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        if host_lens[0] is not None:
+            batch.seq_lens_cpu, batch.seq_lens_sum = host_lens
+        try:
+            fb, _ = vin.prepare_for_verify(batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True,
+                                                          skip_attn_backend_init=True)
+        lo = out.logits_output
+        n = bs * self.block
+        logits = lo.next_token_logits[:n]
+        if batch.sampling_info is not None and batch.sampling_info.logit_bias is not None:
+            logits = logits + batch.sampling_info.logit_bias.repeat_interleave(self.block, dim=0)
+        features = lo.hidden_states[:n]
+        lo.hidden_states = None
+        return logits, features, bool(out.can_run_cuda_graph)
+
+    def _accept(self, batch, drafts, logits):
+        info = batch.sampling_info
+        if info is None or info.is_all_greedy:
+            return verify_greedy(drafts, logits)
+        bs, B, V = logits.shape
+        # SGLang encodes greedy as top_k = 1 (temperature 1): processed_probs then gives the argmax point mass.
+        s = SamplingTensors(temperature=info.temperatures.reshape(-1).float(),
+                            top_k=info.top_ks.reshape(-1).to(torch.int64).clamp(max=V),
+                            top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
+        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B)).view(bs, B, V)
+        return verify_sampled(drafts, probs)
+
+
+def _lm_head_weight(model) -> torch.Tensor:
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "weight"):
+        return head.weight
+    emb = model.get_input_embeddings()  # tied embeddings (e.g. Gemma, SmolLM2)
+    return emb.weight

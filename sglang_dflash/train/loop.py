@@ -1,0 +1,287 @@
+"""Batched drafter training: frozen target computing features on the fly, many anchors per sequence, one mask for
+all blocks, position-decayed CE, bf16 autocast on CUDA, checkpoint/resume, a time budget, a loss-curve PNG.
+
+One step:
+    tokens [S, T] (right-padded) --frozen target, no grad--> features [S, T, K*H] at target_layer_ids
+    anchors [S, A] in each response --build_batch--> blocks [S, A*B] + mask (dense, or a flex BlockMask)
+    drafter(blocks, context = hidden_norm(fc(features))) -> hidden --target lm_head--> logits [S*A*B, V]
+    loss = decayed_block_loss(logits, labels)      (weights exp(-(k-1)/gamma), k = 1..B-1)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..drafter import DFlashDrafter
+from .blocks import IGNORE, build_batch, decayed_block_loss, flex_block_mask, sample_anchors
+from .data import TokenStore
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # planned steps (the LR schedule's length); a time budget may lower it once, early
+    batch_size: int = 8  # sequences per step
+    num_anchors: int = 32  # blocks per sequence
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    final_lr_frac: float = 0.05
+    weight_decay: float = 0.01
+    gamma: float = 7.0
+    max_len: int = 1024  # sequences are cut to this many tokens
+    attention: str = "dense"  # "dense" or "flex"
+    bf16: bool = True  # autocast the drafter to bfloat16 on CUDA (master weights stay float32)
+    seed: int = 0
+    time_budget_s: float | None = None  # fit the schedule to this many seconds, measured over the first steps
+    ckpt_every: int = 0  # save trainer state every N steps (0: only at the end)
+    eval_every: int = 0  # held-out loss / acceptance every N steps (0: only at the end)
+    log_every: int = 25
+
+
+@torch.no_grad()
+def batch_features(target_model, layer_ids, tokens: torch.Tensor) -> torch.Tensor:
+    """Hidden states of the frozen target at layer_ids for right-padded tokens [S, T] -> [S, T, K*H].
+    Right padding needs no attention mask: causal attention never lets a real token see a later pad."""
+    out = target_model(input_ids=tokens, use_cache=False, output_hidden_states=True)
+    return torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+
+def pad_batch(seqs: list[torch.Tensor], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in seqs])
+    tokens = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    return tokens.to(device), lengths.to(device)
+
+
+def batch_logits_and_labels(drafter: DFlashDrafter, target_model, tokens, lengths, response_starts, num_anchors,
+                            generator=None, attention: str = "dense", anchors: torch.Tensor | None = None):
+    """Drafter logits [S*A*B, V] (float32) and labels [S*A*B] for a batch, anchors sampled per sequence."""
+    cfg, dev = drafter.config, tokens.device
+    features = batch_features(target_model, cfg.target_layer_ids, tokens)
+    if anchors is None:
+        anchors = torch.stack([sample_anchors(int(r), int(n), num_anchors, generator)
+                               for r, n in zip(response_starts, lengths)]).to(dev)
+    blocks = build_batch(tokens, lengths, anchors, cfg.block_size, cfg.mask_token_id)
+    embed = target_model.get_input_embeddings().weight.detach()
+    lm_head = target_model.get_output_embeddings().weight.detach()
+    context = drafter.project_context(features)
+    s, t = tokens.shape
+    ctx_pos = torch.arange(t, device=dev).expand(s, t)
+    embeds = drafter.block_embeddings(blocks.ids, embed)
+    if attention == "flex":
+        from .attention import forward_flex
+
+        mask = flex_block_mask(anchors, cfg.block_size, t, device=dev)
+        hidden = forward_flex(drafter, embeds, blocks.positions, context, ctx_pos, mask)
+    elif attention == "dense":
+        hidden = drafter(embeds, blocks.positions, context, ctx_pos, blocks.visible)
+    else:
+        raise ValueError(f"attention={attention!r}: use 'dense' or 'flex'")
+    logits = drafter.logits(hidden.reshape(-1, hidden.shape[-1]), lm_head)
+    return logits, blocks.labels.reshape(-1)
+
+
+def accept_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per block, the tokens a greedy verify would commit if the target's next tokens are the labels:
+    1 + the number of leading draft positions whose argmax equals the label. [N*B, V], [N*B] -> [N]."""
+    hit = (logits.argmax(-1) == labels).view(-1, block_size)[:, 1:]
+    valid = (labels != IGNORE).view(-1, block_size)[:, 1:]
+    return 1 + (hit & valid).int().cumprod(dim=1).sum(dim=1)
+
+
+class Trainer:
+    def __init__(self, drafter: DFlashDrafter, target_model, store: TokenStore, cfg: TrainConfig,
+                 out_dir: str | Path, pad_id: int = 0, held_out: TokenStore | None = None):
+        self.drafter, self.target, self.cfg = drafter, target_model, cfg
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.device = next(target_model.parameters()).device
+        self.pad_id = pad_id
+        for p in target_model.parameters():
+            p.requires_grad_(False)
+        target_model.eval()
+        self.seqs = self._usable(store)
+        self.held_out = self._usable(held_out) if held_out is not None and len(held_out) else []
+        if not self.seqs:
+            raise ValueError("no training sequence has >= 2 response tokens within max_len; generate longer "
+                             "responses or raise max_len")
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in drafter.named_parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.total_steps = cfg.steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.step, self.losses, self.history = 0, [], []
+        self.autocast = cfg.bf16 and self.device.type == "cuda"
+        if cfg.attention == "flex":
+            from .attention import check_flex_supported
+
+            check_flex_supported(drafter)
+
+    def _usable(self, store: TokenStore) -> list[tuple[torch.Tensor, int]]:
+        out = []
+        for i in range(len(store)):
+            toks = store.tokens(i)[: self.cfg.max_len]
+            r = int(store.prompt_lens[i])
+            if len(toks) - r >= 2:
+                out.append((toks, r))
+        return out
+
+    def _lr_factor(self, step: int) -> float:
+        warm = max(1, int(self.cfg.warmup_frac * self.total_steps))
+        if step < warm:
+            return (step + 1) / warm
+        prog = min(1.0, (step - warm) / max(1, self.total_steps - warm))
+        f = self.cfg.final_lr_frac
+        return f + (1 - f) * 0.5 * (1 + math.cos(math.pi * prog))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state_path(self) -> Path:
+        return self.out_dir / "trainer_state.pt"
+
+    def save_state(self, path: str | Path | None = None) -> Path:
+        path = Path(path) if path is not None else self.state_path
+        torch.save({"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(),
+                    "sched": self.sched.state_dict(), "step": self.step, "total_steps": self.total_steps,
+                    "losses": self.losses, "history": self.history, "gen": self.gen.get_state(),
+                    "config": asdict(self.cfg)}, str(path) + ".part")
+        Path(str(path) + ".part").replace(path)
+        return path
+
+    def load_state(self, path: str | Path | None = None) -> bool:
+        path = Path(path) if path is not None else self.state_path
+        if not path.is_file():
+            return False
+        st = torch.load(str(path), map_location=self.device, weights_only=False)
+        self.drafter.load_state_dict(st["drafter"])
+        self.opt.load_state_dict(st["opt"])
+        self.total_steps = st["total_steps"]
+        self.sched.load_state_dict(st["sched"])
+        self.step, self.losses, self.history = st["step"], st["losses"], st["history"]
+        self.gen.set_state(st["gen"])
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def _batch(self):
+        idx = torch.randint(len(self.seqs), (self.cfg.batch_size,), generator=self.gen).tolist()
+        seqs = [self.seqs[i] for i in idx]
+        tokens, lengths = pad_batch([s[0] for s in seqs], self.pad_id, self.device)
+        return tokens, lengths, [s[1] for s in seqs]
+
+    def train_step(self) -> float:
+        self.drafter.train()
+        tokens, lengths, starts = self._batch()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            logits, labels = batch_logits_and_labels(self.drafter, self.target, tokens, lengths, starts,
+                                                     self.cfg.num_anchors, self.gen, self.cfg.attention)
+        loss = decayed_block_loss(logits, labels, self.drafter.config.block_size, self.cfg.gamma)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    @torch.no_grad()
+    def evaluate(self, max_seqs: int = 64) -> dict:
+        """Held-out loss and the block acceptance length a greedy verify would get at random anchors
+        (exact for greedy-generated data: the labels are the target's own greedy tokens)."""
+        if not self.held_out:
+            return {}
+        self.drafter.eval()
+        g = torch.Generator().manual_seed(1234)
+        losses, accepts = [], []
+        for i in range(0, min(max_seqs, len(self.held_out)), self.cfg.batch_size):
+            chunk = self.held_out[i: i + self.cfg.batch_size]
+            tokens, lengths = pad_batch([c[0] for c in chunk], self.pad_id, self.device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+                logits, labels = batch_logits_and_labels(self.drafter, self.target, tokens, lengths,
+                                                         [c[1] for c in chunk], self.cfg.num_anchors, g, "dense")
+            losses.append(decayed_block_loss(logits, labels, self.drafter.config.block_size, self.cfg.gamma).item())
+            accepts.append(accept_lengths(logits, labels, self.drafter.config.block_size).float())
+        self.drafter.train()
+        return {"step": self.step, "held_out_loss": sum(losses) / len(losses),
+                "held_out_block_accept": torch.cat(accepts).mean().item()}
+
+    def fit(self, progress: bool = True, resume: bool = True) -> list[float]:
+        if resume and self.load_state():
+            print(f"resumed from {self.state_path} at step {self.step}/{self.total_steps}")
+        t0, rate_fixed = time.time(), self.cfg.time_budget_s is None
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train drafter")
+        while self.step < self.total_steps:
+            loss = self.train_step()
+            bar.update(1)
+            if not rate_fixed and self.step >= 30:
+                # fit the schedule into the time budget once, from the measured speed (compile/warm-up included)
+                elapsed = time.time() - t0
+                fit = int(self.step + (self.cfg.time_budget_s - elapsed) / (elapsed / self.step) * 0.97)
+                self.total_steps = max(self.step + 1, min(self.total_steps, fit))
+                bar.total = self.total_steps
+                rate_fixed = True
+            if not progress and self.step % (self.cfg.log_every * 20) == 0:
+                print(f"step {self.step}/{self.total_steps} loss {sum(self.losses[-100:]) / len(self.losses[-100:]):.3f} "
+                      f"lr {self.sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)
+            if self.step % self.cfg.log_every == 0:
+                bar.set_postfix(loss=f"{sum(self.losses[-self.cfg.log_every:]) / self.cfg.log_every:.3f}",
+                                lr=f"{self.sched.get_last_lr()[0]:.2e}")
+            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                self.history.append(self.evaluate())
+            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                self.save_state()
+        bar.close()
+        self.history.append(self.evaluate())
+        self.save_state()
+        self.drafter.eval()
+        return self.losses
+
+
+def smooth(xs: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_losses(losses: list[float], path: str | Path, title: str = "drafter training loss",
+                history: list[dict] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(losses, lw=0.5, alpha=0.35, label="train loss (per step)")
+    ax.plot(smooth(losses, max(1, len(losses) // 50)), lw=1.5, label="train loss (smoothed)")
+    pts = [h for h in (history or []) if h]
+    if pts:
+        ax.plot([h["step"] for h in pts], [h["held_out_loss"] for h in pts], "o-", label="held-out loss")
+        ax2 = ax.twinx()
+        ax2.plot([h["step"] for h in pts], [h["held_out_block_accept"] for h in pts], "s--", color="C3",
+                 label="held-out block accept (tau est.)")
+        ax2.set_ylabel("tokens / block")
+        ax2.legend(loc="upper center")
+    ax.set_xlabel("step")
+    ax.set_ylabel("position-decayed CE")
+    ax.set_title(title)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)
+
+
+def write_json(obj, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2) + "\n")

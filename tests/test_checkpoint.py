@@ -1,0 +1,87 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang_dflash.checkpoint import load_drafter, save_drafter
+from sglang_dflash.config import DFlashConfig, DFlashConfigError
+from sglang_dflash.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+
+PER_LAYER = [
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "self_attn.k_norm.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.q_proj.weight", "self_attn.v_proj.weight",
+]
+
+
+def published_names(n_layers):
+    return sorted(["fc.weight", "hidden_norm.weight", "norm.weight"]
+                  + [f"layers.{i}.{n}" for i in range(n_layers) for n in PER_LAYER])
+
+
+@pytest.fixture
+def target():
+    return tiny_target("qwen3")
+
+
+def test_parameter_names_are_the_published_ones(target):
+    drafter = tiny_drafter(target.config, num_layers=2)
+    assert sorted(drafter.state_dict()) == published_names(2)
+    h, k = target.config.hidden_size, len(drafter.config.target_layer_ids)
+    assert drafter.fc.weight.shape == (h, k * h)  # fc: [H, K*H], no bias
+
+
+def test_published_layout_loads_bit_exactly(tmp_path, target):
+    """Write a checkpoint the way a published drafter is laid out (config.json + model.safetensors, written here
+    without our save function), load it, and get the very same tensors back."""
+    cfg = tiny_drafter_config(target.config, num_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(3)
+    ref = tiny_drafter(target.config, num_layers=2).state_dict()
+    tensors = {n: torch.randn(t.shape, generator=g).to(torch.bfloat16) for n, t in ref.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    drafter = load_drafter(tmp_path, target_config=target.config)
+    assert next(drafter.parameters()).dtype == torch.bfloat16
+    for n, t in drafter.state_dict().items():
+        assert torch.equal(t, tensors[n]), n
+
+
+def test_save_load_round_trip_sharded_and_prefixed(tmp_path, target):
+    drafter = tiny_drafter(target.config, num_layers=2)
+    save_drafter(drafter, tmp_path / "sharded", max_shard_bytes=40_000)
+    shards = list((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    loaded = load_drafter(tmp_path / "sharded")
+    for n, t in drafter.state_dict().items():
+        assert torch.equal(t, loaded.state_dict()[n]), n
+    # some exporters prefix every name with "model."
+    save_drafter(drafter, tmp_path / "prefixed")
+    state = load_file(str(tmp_path / "prefixed" / "model.safetensors"))
+    save_file({f"model.{k}": v for k, v in state.items()}, str(tmp_path / "prefixed" / "model.safetensors"))
+    assert torch.equal(load_drafter(tmp_path / "prefixed").fc.weight, drafter.fc.weight)
+
+
+def test_bad_checkpoints_name_the_problem(tmp_path, target):
+    drafter = tiny_drafter(target.config)
+    save_drafter(drafter, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    # a missing tensor
+    save_file({k: v for k, v in state.items() if k != "norm.weight"}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashConfigError, match="norm.weight"):
+        load_drafter(tmp_path)
+    # a tensor of the wrong shape
+    state["fc.weight"] = state["fc.weight"][:, :-1].contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashConfigError, match="fc.weight"):
+        load_drafter(tmp_path)
+    # no weights at all
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(DFlashConfigError, match="no \\*.safetensors"):
+        load_drafter(tmp_path)
+    # a drafter for another target
+    other = tiny_target("qwen3", vocab_size=300)
+    DFlashConfig.from_pretrained(tmp_path)  # the config alone is fine
+    with pytest.raises(DFlashConfigError, match="vocab_size"):
+        load_drafter(tmp_path, target_config=other.config)

@@ -1,0 +1,130 @@
+"""Batched drafter training on a tiny random target (CPU, fast): loss goes down, flex == dense, checkpoint and
+trainer-state round trips, the compact token store, the acceptance estimate."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_dflash.checkpoint import load_drafter, save_drafter
+from sglang_dflash.config import DFlashConfig
+from sglang_dflash.drafter import DFlashDrafter
+from sglang_dflash.tiny import tiny_drafter_config, tiny_target
+from sglang_dflash.train.blocks import IGNORE
+from sglang_dflash.train.data import TokenStore
+from sglang_dflash.train.generate import generate_responses
+from sglang_dflash.train.loop import Trainer, TrainConfig, accept_lengths, batch_logits_and_labels, pad_batch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", vocab_size=128, hidden_size=32, num_layers=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def store(target):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 127, (6,), generator=g).tolist() for _ in range(12)]
+    return generate_responses(target, prompts, max_new_tokens=40, stop_token_ids=[1], pad_id=0, batch_size=6,
+                              progress=False)
+
+
+def make_drafter(target, block_size=8, seed=3):
+    torch.manual_seed(seed)
+    cfg = tiny_drafter_config(target.config, num_layers=1, block_size=block_size, target_layer_ids=[0, 2],
+                              mask_token_id=127)
+    return DFlashDrafter(DFlashConfig.from_dict(cfg))
+
+
+def test_generated_responses_are_the_targets_greedy_continuations(target, store):
+    assert len(store) == 12 and store.flat.dtype == torch.uint16
+    toks = store.tokens(0)
+    p = int(store.prompt_lens[0])
+    with torch.no_grad():
+        logits = target(toks[None]).logits[0]
+    # every response token is the target's argmax given everything before it
+    assert torch.equal(logits[p - 1: len(toks) - 1].argmax(-1), toks[p:])
+
+
+def test_token_store_round_trip_and_split(store, tmp_path):
+    store.save(tmp_path / "d.pt")
+    back = TokenStore.load(tmp_path / "d.pt")
+    assert all(torch.equal(store.tokens(i), back.tokens(i)) for i in range(len(store)))
+    assert back.prompt_lens.tolist() == store.prompt_lens.tolist()
+    train, held = store.split(0.25, seed=0)
+    assert len(train) == 9 and len(held) == 3
+    seqs = {tuple(store.tokens(i).tolist()) for i in range(len(store))}
+    tr = {tuple(train.tokens(i).tolist()) for i in range(len(train))}
+    he = {tuple(held.tokens(i).tolist()) for i in range(len(held))}
+    assert tr | he == seqs and not tr & he
+
+
+def test_a_few_steps_reduce_the_loss(target, store):
+    drafter = make_drafter(target)
+    cfg = TrainConfig(steps=60, batch_size=4, num_anchors=8, lr=3e-3, warmup_frac=0.05, seed=0)
+    train, held = store.split(0.25, seed=0)
+    trainer = Trainer(drafter, target, train, cfg, "/tmp/unused-no-ckpt", held_out=held)
+    before = trainer.evaluate()
+    losses = trainer.fit(progress=False, resume=False)
+    after = trainer.history[-1]
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.9 * sum(losses[:10]) / 10
+    assert after["held_out_loss"] < before["held_out_loss"]
+
+
+def test_flex_attention_path_equals_dense_path(target, store):
+    drafter = make_drafter(target)
+    seqs = [store.tokens(i) for i in range(3)]
+    tokens, lengths = pad_batch(seqs, 0, "cpu")
+    starts = [int(store.prompt_lens[i]) for i in range(3)]
+    anchors = torch.stack([torch.tensor([6, 10, 20, 30]) for _ in range(3)])
+    out = {}
+    for mode in ("dense", "flex"):
+        drafter.zero_grad()
+        logits, labels = batch_logits_and_labels(drafter, target, tokens, lengths, starts, 4, attention=mode,
+                                                 anchors=anchors)
+        logits[labels != IGNORE].logsumexp(-1).sum().backward()
+        out[mode] = (logits.detach(), drafter.fc.weight.grad.clone())
+    assert torch.allclose(out["dense"][0], out["flex"][0], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(out["dense"][1], out["flex"][1], atol=1e-4, rtol=1e-3)
+
+
+def test_trainer_state_resume_continues_exactly(target, store, tmp_path):
+    cfg = TrainConfig(steps=8, batch_size=2, num_anchors=4, lr=1e-3, seed=5)
+    straight = make_drafter(target)
+    Trainer(straight, target, store, cfg, tmp_path / "a").fit(progress=False, resume=False)
+
+    half = make_drafter(target)
+    t1 = Trainer(half, target, store, TrainConfig(**{**cfg.__dict__, "steps": 8}), tmp_path / "b")
+    for _ in range(4):
+        t1.train_step()
+    t1.save_state()
+    resumed = make_drafter(target, seed=99)  # different init: everything must come from the state file
+    t2 = Trainer(resumed, target, store, cfg, tmp_path / "b")
+    t2.fit(progress=False, resume=True)
+    assert t2.step == 8 and len(t2.losses) == 8
+    for (n, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_checkpoint_round_trip_bf16_shards(target, tmp_path):
+    drafter = make_drafter(target)
+    save_drafter(drafter, tmp_path / "d", max_shard_bytes=20_000, dtype=torch.bfloat16)
+    files = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == 127
+    back = load_drafter(tmp_path / "d", target_config=target.config)
+    for (n, a), b in zip(drafter.state_dict().items(), back.state_dict().values()):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), n
+
+
+def test_accept_lengths():
+    b, v = 4, 5
+    labels = torch.tensor([IGNORE, 1, 2, 3, IGNORE, 1, 2, IGNORE])
+    logits = torch.zeros(8, v)
+    logits[torch.arange(8), labels.clamp(min=0)] = 1.0  # all right
+    logits[2] = torch.tensor([0, 0, 0, 0, 1.0])  # block 0: position 2 wrong -> accepts 1 draft
+    assert accept_lengths(logits, labels, b).tolist() == [2, 3]  # block 1: 2 right, then no label
