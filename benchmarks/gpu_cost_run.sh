@@ -13,7 +13,7 @@ SHAPE=${SHAPE:-qwen3-8b}
 python3 -m sglang_dflash.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
 python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" --draft "/tmp/shape-$SHAPE/draft" --dummy \
   --methods "${METHODS:-none,builtin,ours}" --out "$RUN" --wait-s "${WAIT_S:-300}" \
-  --title "$SHAPE-shaped random weights: step cost (H100)" -- \
+  --title "$SHAPE-shaped random weights: step cost" -- \
   --datasets random --temperatures 0 --concurrency "${CONCURRENCY:-1,8,32,64,128}" --max-new-tokens 256 \
   --ignore-eos --random-input-len 128 --random-vocab 151000 --rounds 2 --min-convs 4 --no-progress
 rc=$?

@@ -75,20 +75,19 @@ def test_a_few_steps_reduce_the_loss(target, store):
 
 
 def test_flex_attention_path_equals_dense_path(target, store):
+    """Forward only: flex attention has no CPU backward (training with attention='flex' needs CUDA)."""
     drafter = make_drafter(target)
     seqs = [store.tokens(i) for i in range(3)]
     tokens, lengths = pad_batch(seqs, 0, "cpu")
     starts = [int(store.prompt_lens[i]) for i in range(3)]
     anchors = torch.stack([torch.tensor([6, 10, 20, 30]) for _ in range(3)])
     out = {}
-    for mode in ("dense", "flex"):
-        drafter.zero_grad()
-        logits, labels = batch_logits_and_labels(drafter, target, tokens, lengths, starts, 4, attention=mode,
-                                                 anchors=anchors)
-        logits[labels != IGNORE].logsumexp(-1).sum().backward()
-        out[mode] = (logits.detach(), drafter.fc.weight.grad.clone())
-    assert torch.allclose(out["dense"][0], out["flex"][0], atol=1e-4, rtol=1e-4)
-    assert torch.allclose(out["dense"][1], out["flex"][1], atol=1e-4, rtol=1e-3)
+    with torch.no_grad():
+        for mode in ("dense", "flex"):
+            out[mode], labels = batch_logits_and_labels(drafter, target, tokens, lengths, starts, 4,
+                                                        attention=mode, anchors=anchors)
+    assert (labels != IGNORE).sum() > 20
+    assert torch.allclose(out["dense"], out["flex"], atol=1e-4, rtol=1e-4)
 
 
 def test_trainer_state_resume_continues_exactly(target, store, tmp_path):
@@ -128,3 +127,21 @@ def test_accept_lengths():
     logits[torch.arange(8), labels.clamp(min=0)] = 1.0  # all right
     logits[2] = torch.tensor([0, 0, 0, 0, 1.0])  # block 0: position 2 wrong -> accepts 1 draft
     assert accept_lengths(logits, labels, b).tolist() == [2, 3]  # block 1: 2 right, then no label
+
+
+def test_teacher_forced_tau_matches_the_engine_on_a_trained_drafter(target, store):
+    """Train on the prompts' own greedy continuations, then measure greedy tau on the same prompts two ways."""
+    from sglang_dflash.train.evaluate import greedy_tau_teacher_forced, measure_tau
+
+    drafter = make_drafter(target, block_size=8)
+    cfg = TrainConfig(steps=150, batch_size=4, num_anchors=16, lr=3e-3, seed=0)
+    Trainer(drafter, target, store, cfg, "/tmp/unused-no-ckpt").fit(progress=False, resume=False)
+    drafter.eval()
+    prompts = [store.tokens(i)[: int(store.prompt_lens[i])].tolist() for i in range(6)]
+    engine = measure_tau(target, drafter, prompts, max_new_tokens=40, stop_token_ids=(1,))
+    replay = greedy_tau_teacher_forced(target, drafter, prompts, max_new_tokens=40, stop_token_ids=(1,))
+    assert engine["greedy_equal"]
+    assert engine["tau"] > 1.5, engine["per_prompt_tau"]  # the drafter learned something
+    # same commits except for float noise and the last step (the replay stops at the known continuation's end)
+    assert abs(engine["tau"] - replay["tau"]) < 0.15 * engine["tau"], (engine["per_prompt_tau"],
+                                                                        replay["per_prompt_tau"])

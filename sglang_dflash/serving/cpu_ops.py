@@ -5,6 +5,8 @@
 - torch_native attention has no TARGET_VERIFY branch: it reads ``extend_prefix_lens`` / ``extend_seq_lens`` and
   expects ``seq_lens`` to include the new tokens, while the verify ForwardBatch (like every GPU backend expects)
   carries the committed lengths in ``seq_lens`` and B new tokens per request.
+- ``StreamlessIndices``: overlap scheduling calls ``record_stream`` on the FutureMap's index tensor; that op exists
+  for CUDA tensors only. On CPU there are no streams, so recording one is a no-op.
 """
 
 from __future__ import annotations
@@ -27,11 +29,30 @@ def assign_req_to_token_pool_torch(req_pool_indices: torch.Tensor, req_to_token:
     req_to_token[req_pool_indices.to(torch.int64)[rows], col] = out_cache_loc[: rows.numel()].to(req_to_token.dtype)
 
 
+class StreamlessIndices(torch.Tensor):
+    """A CPU index tensor whose ``record_stream`` is a no-op (CPU work is synchronous: nothing to pin).
+
+    Torch-function dispatch is disabled, so results computed from it (e.g. ``buf[indices]``) are plain tensors.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def record_stream(self, stream) -> None:
+        return None
+
+
 @contextlib.contextmanager
-def torch_native_verify_lengths(forward_batch, num_tokens: int):
-    """Present a TARGET_VERIFY batch to torch_native as an extend of B tokens per request on top of seq_lens."""
+def torch_native_verify_lengths(forward_batch):
+    """Present a TARGET_VERIFY batch to torch_native as an extend of B tokens per request on top of seq_lens.
+
+    B comes from the batch (its spec_info's ``draft_token_num``, else tokens / requests), never from the shape of
+    q: model classes hand attention q in different layouts (Gemma-3 passes [1, N, heads, dim]).
+    """
     bs = forward_batch.batch_size
-    block = num_tokens // bs
+    n = forward_batch.positions.numel()
+    block = getattr(forward_batch.spec_info, "draft_token_num", None) or n // bs
+    if block * bs != n:
+        raise RuntimeError(f"TARGET_VERIFY batch of {bs} requests x block {block} != {n} positions")
     saved = (forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens)
     prefix = forward_batch.seq_lens
     forward_batch.extend_prefix_lens = prefix

@@ -90,8 +90,12 @@ def _fix_config_for_sglang(path: Path, dtype: str) -> None:
 
 
 def save_tiny_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: int = 64, num_layers: int = 4,
-                     peak: float = 8.0, seed: int = 0, vocab_size: int = 512, dtype: str = "float32"):
-    """A tiny random target (sglang_dflash.tiny) as an HF checkpoint directory with a tokenizer. Returns the model."""
+                     peak: float = 8.0, seed: int = 0, vocab_size: int = 512, dtype: str = "float32",
+                     tie_word_embeddings: bool = False):
+    """A tiny random target (sglang_dflash.tiny) as an HF checkpoint directory with a tokenizer. Returns the model.
+
+    ``tie_word_embeddings``: the (peak-scaled) lm_head becomes the embedding table too, for model classes that
+    always compute logits with their embedding table (SGLang 0.5.17's Gemma3ForCausalLM)."""
     import torch
 
     from ..tiny import tiny_target
@@ -101,6 +105,11 @@ def save_tiny_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: int 
     tok = build_tokenizer(out, vocab_size)
     model = tiny_target(arch, vocab_size=len(tok), hidden_size=hidden_size, num_layers=num_layers, seed=seed,
                         peak=peak, dtype=getattr(torch, dtype))
+    if tie_word_embeddings:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
     model.save_pretrained(str(out))
     _fix_config_for_sglang(out, dtype)
     return model

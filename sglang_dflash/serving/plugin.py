@@ -24,9 +24,11 @@ _SPEC = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm"
 _HOOK_ARGS = "sglang.srt.arg_groups.speculative_hook"
 _CAPTURE = "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture"
 _VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+_TOKENIZED = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 _KV_COPY_INIT = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 _ALLOC = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 _TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+_SPEC_EXTRAS = "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras"
 
 
 def selected_worker() -> str:
@@ -54,11 +56,14 @@ def register() -> None:
     HookRegistry.register(f"{_HOOK_ARGS}._resolve_dflash_draft_attention_backend", _resolve_draft_backend, around)
     HookRegistry.register(_CAPTURE, _configure_capture, around)
     HookRegistry.register(_VALIDATE, _refuse_logprobs, HookType.BEFORE)
-    # CPU only: plain-torch versions of ops that exist in sgl_kernel only as (unshipped) *_cpu kernels, and
-    # TARGET_VERIFY support for torch_native attention. Both hooks pass through untouched on GPU.
+    HookRegistry.register(_TOKENIZED, _refuse_unapplied_sampling, around)
+    # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as (unshipped) *_cpu kernels, and
+    # TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and a stream-free FutureMap
+    # read under overlap scheduling.
     HookRegistry.register(_ALLOC, _assign_req_to_token_pool, around)
     HookRegistry.register(_TORCH_NATIVE, _torch_native_forward_extend, around)
     HookRegistry.register(_KV_COPY_INIT, _kv_copy_init, around)
+    HookRegistry.register(_SPEC_EXTRAS, _resolve_spec_extras, around)
 
 
 # ------------------------------------------------------------------------------------------------------- hooks
@@ -100,6 +105,40 @@ def _refuse_logprobs(self, obj, *args, **kwargs):
     return None
 
 
+# Sampling controls that the scheduler applies to the logits of ONE next token (penalizers, grammar masks, custom
+# logit processors), read from the final SamplingParams (request, --preferred-sampling-params and the model's
+# generation-config defaults all merged). A DFLASH verify scores B positions at once; applying these would need
+# their state advanced token by token inside the block, which our worker does not do, so it refuses them rather
+# than produce a distribution the user did not ask for. Each entry: (field, value that means "off").
+_UNAPPLIED = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
+              ("min_new_tokens", 0), ("regex", None), ("json_schema", None), ("ebnf", None),
+              ("structural_tag", None))
+
+
+def unapplied_sampling_controls(sampling_params, custom_logit_processor=None) -> list[str]:
+    """``name=value`` of every control set to something our verify step would not apply."""
+    bad = [f"{name}={getattr(sampling_params, name)!r}" for name, off in _UNAPPLIED
+           if getattr(sampling_params, name, off) not in (off, None)]
+    if custom_logit_processor:
+        bad.append("custom_logit_processor")
+    return bad
+
+
+def _refuse_unapplied_sampling(original, self, obj, *args, **kwargs):
+    tokenized = original(self, obj, *args, **kwargs)
+    if str(self.server_args.speculative_algorithm).upper() != "DFLASH":
+        return tokenized
+    params = getattr(tokenized, "sampling_params", None)
+    bad = unapplied_sampling_controls(params, getattr(obj, "custom_logit_processor", None)) if params else []
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: not supported with --speculative-algorithm DFLASH by the sglang-dflash "
+                         "worker yet (its verify step scores a block of tokens at once and would silently not apply "
+                         "penalties, min_new_tokens, grammars or custom logit processors). Fix: drop them from the "
+                         "request (and from --preferred-sampling-params / the model's generation_config defaults), "
+                         "or serve without speculation")
+    return tokenized
+
+
 def _assign_req_to_token_pool(original, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
                               batch_size):
     if req_to_token.device.type != "cpu":
@@ -123,5 +162,23 @@ def _torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, 
         return original(self, q, k, v, layer, forward_batch, save_kv_cache)
     from .cpu_ops import torch_native_verify_lengths
 
-    with torch_native_verify_lengths(forward_batch, q.shape[0]):
+    with torch_native_verify_lengths(forward_batch):
         return original(self, q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def _resolve_spec_extras(original, self, batch):
+    # Overlap scheduling (SGLang's default) relays each request's bonus token through the FutureMap; reading it
+    # back pins the index tensor to the current stream with `record_stream`, an op CUDA tensors alone implement
+    # (CPU has no streams, so on CPU the call can only fail). On CPU, hand the original a view of the indices
+    # whose record_stream does nothing; everything else it does is unchanged.
+    spec = batch.spec_info
+    indices = getattr(spec, "future_indices", None)
+    if indices is None or indices.device.type != "cpu":
+        return original(self, batch)
+    from .cpu_ops import StreamlessIndices
+
+    spec.future_indices = indices.as_subclass(StreamlessIndices)
+    try:
+        return original(self, batch)
+    finally:
+        spec.future_indices = indices

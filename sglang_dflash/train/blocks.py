@@ -93,18 +93,23 @@ def build_batch(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tens
                 mask_token_id: int) -> BatchBlocks:
     """tokens [S, T] right-padded, lengths [S], anchors [S, A] -> the blocks of every sequence and one dense mask.
 
-    Same rules as build_blocks, per sequence: a block sees context strictly before its anchor (never padding, since
-    anchors lie inside the sequence) and its own block; labels past a sequence's own end are IGNORE."""
+    Same rules as build_blocks, per sequence (vectorised over the batch): a block sees context strictly before its
+    anchor (never padding, since anchors lie inside the sequence) and its own block; labels past a sequence's own end
+    are IGNORE."""
     s, t = tokens.shape
-    parts = []
-    for i in range(s):
-        n = int(lengths[i])
-        blk = build_blocks(tokens[i, :n], anchors[i], block_size, mask_token_id)
-        ctx = torch.zeros(blk.visible.shape[0], t, dtype=torch.bool, device=tokens.device)
-        ctx[:, :n] = blk.visible[:, :n]
-        parts.append((blk.ids, blk.positions, blk.labels, torch.cat([ctx, blk.visible[:, n:]], 1)))
-    ids, pos, labels, vis = (torch.stack(x) for x in zip(*parts))
-    return BatchBlocks(ids, pos, labels, vis, anchors)
+    a, b, dev = anchors.shape[1], block_size, tokens.device
+    positions = anchors[:, :, None] + torch.arange(b, device=dev)  # [S, A, B]
+    ids = torch.full((s, a, b), mask_token_id, dtype=tokens.dtype, device=dev)
+    ids[:, :, 0] = tokens.gather(1, anchors)
+    labels = tokens.gather(1, positions.clamp(max=t - 1).view(s, -1)).view(s, a, b)
+    labels = torch.where(positions < lengths.view(s, 1, 1), labels, torch.full_like(labels, IGNORE))
+    labels[:, :, 0] = IGNORE
+    block_of_query = torch.arange(a, device=dev).repeat_interleave(b)  # [A*B]
+    anchor_of_query = anchors[:, block_of_query]  # [S, A*B]
+    sees_context = torch.arange(t, device=dev).view(1, 1, t) < anchor_of_query[:, :, None]  # strictly before x_a
+    sees_block = (block_of_query[:, None] == block_of_query[None, :]).expand(s, -1, -1)  # own block only
+    return BatchBlocks(ids.view(s, -1), positions.view(s, -1), labels.view(s, -1),
+                       torch.cat([sees_context, sees_block], 2), anchors)
 
 
 def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, device=None):

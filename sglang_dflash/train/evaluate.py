@@ -17,7 +17,7 @@ from ..sampling import SamplingParams
 
 def measure_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                 stop_token_ids: tuple[int, ...] = (), seed: int = 0, check_greedy: bool = True,
-                batch: int = 8) -> dict:
+                batch: int = 8, verbose: bool = False) -> dict:
     engine = ReferenceEngine(target_model, drafter, seed=seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                             stop_token_ids=tuple(stop_token_ids))
@@ -25,6 +25,9 @@ def measure_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens:
     results = []
     for i in range(0, len(prompts), batch):
         results += engine.generate(prompts[i: i + batch], params)
+        if verbose:
+            print(f"    T={temperature:g} prompts {i}..{len(results) - 1}: tau "
+                  f"{[round(r.mean_acceptance, 2) for r in results[i:]]} ({time.time() - t0:.0f} s)", flush=True)
     spec_s = time.time() - t0
     steps = sum(len(r.commit_lens) for r in results)
     out = {"prompts": len(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
@@ -45,16 +48,70 @@ def measure_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens:
 
 
 def evaluate_sets(target_model, drafter, sets: dict[str, list[list[int]]], max_new_tokens: int,
-                  temperatures=(0.0, 1.0), stop_token_ids=(), seed: int = 0, check_greedy: bool = True) -> dict:
-    """{set: {"T=0": metrics, "T=1": metrics}} over the given prompt sets."""
+                  temperatures=(0.0, 1.0), stop_token_ids=(), seed: int = 0, check_greedy: bool = True,
+                  batch: int = 8, verbose: bool = False, replay: bool = False, pad_id: int = 0,
+                  on_result=None) -> dict:
+    """{set: {"T=0": metrics, "T=1": metrics}} over the given prompt sets (with replay: also "T=0 replay", the
+    teacher-forced greedy tau on the same prompts, a cross-check of the two methods)."""
     report = {}
     with torch.inference_mode():
         for name, prompts in sets.items():
             report[name] = {}
+            if replay:
+                report[name]["T=0 replay"] = greedy_tau_teacher_forced(target_model, drafter, prompts,
+                                                                       max_new_tokens, stop_token_ids, pad_id)
+                print(f"  {name:10s} T=0 replay: tau {report[name]['T=0 replay']['tau']:.2f}", flush=True)
             for t in temperatures:
-                m = measure_tau(target_model, drafter, prompts, max_new_tokens, t, stop_token_ids, seed, check_greedy)
+                m = measure_tau(target_model, drafter, prompts, max_new_tokens, t, stop_token_ids, seed, check_greedy,
+                                batch, verbose)
                 m.pop("outputs")
                 report[name][f"T={t:g}"] = m
                 print(f"  {name:10s} T={t:g}: tau {m['tau']:.2f} over {m['verify_steps']} steps"
                       + (f", greedy equal: {m['greedy_equal']}" if "greedy_equal" in m else ""), flush=True)
+                if on_result is not None:
+                    on_result(report)
     return report
+
+
+@torch.inference_mode()
+def greedy_tau_teacher_forced(target_model, drafter, prompts: list[list[int]], max_new_tokens: int,
+                              stop_token_ids=(), pad_id: int = 0, batch: int = 16) -> dict:
+    """Greedy tau without running the speculative loop: the target's greedy continuation is generated once
+    (batched), its hidden states come from one forward per sequence, and the verify steps are replayed: a step at
+    anchor a drafts from [x_a, MASK...] with the context rows < a and commits 1 + the leading drafts equal to
+    x_{a+1}, x_{a+2}, ... (exactly what greedy verification does, since the target's greedy tokens are x). Much
+    cheaper than the engine (one drafter pass per step, no per-step target forward), so it scales to more prompts.
+    Differences to the engine: floating-point noise between a full-sequence forward and incremental verifies, and
+    the last step counts only drafts inside the known continuation (the engine may count accepted drafts past the
+    stop)."""
+    from .generate import generate_responses
+    from .loop import batch_features
+
+    cfg = drafter.config
+    store = generate_responses(target_model, prompts, max_new_tokens, list(stop_token_ids), pad_id, batch,
+                               progress=False)
+    embed = target_model.get_input_embeddings().weight
+    lm_head = target_model.get_output_embeddings().weight
+    dev = embed.device
+    per_prompt, all_commits = [], []
+    for i in range(len(store)):
+        x = store.tokens(i).to(dev)
+        p, t = int(store.prompt_lens[i]), len(x)
+        context = drafter.project_context(batch_features(target_model, cfg.target_layer_ids, x[None])[0])
+        commits, a = [], p
+        while a - p + 1 < t - p:  # tokens emitted so far: x_p..x_a
+            block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
+            block[0, 0] = x[a]
+            pos = torch.arange(a, a + cfg.block_size, device=dev)[None]
+            hidden = drafter(drafter.block_embeddings(block, embed), pos, context[None, :a],
+                             torch.arange(a, device=dev)[None])
+            drafts = drafter.logits(hidden[0, 1:], lm_head).argmax(-1)
+            known = x[a + 1: a + cfg.block_size]
+            hit = (drafts[: len(known)] == known).int().cumprod(0).sum().item()
+            commits.append(1 + hit)
+            a += 1 + hit
+        per_prompt.append(sum(commits) / max(1, len(commits)))
+        all_commits += commits
+    return {"prompts": len(store), "max_new_tokens": max_new_tokens, "tau": sum(all_commits) / max(1, len(all_commits)),
+            "verify_steps": len(all_commits), "per_prompt_tau": [round(v, 3) for v in per_prompt],
+            "method": "teacher-forced replay of greedy verification (greedy_tau_teacher_forced)"}

@@ -125,6 +125,9 @@ class Trainer:
             from .attention import check_flex_supported
 
             check_flex_supported(drafter)
+            if self.device.type != "cuda":
+                raise ValueError("attention='flex' trains on CUDA only (PyTorch's flex attention has no CPU "
+                                 "backward). Fix: use attention='dense' on CPU")
 
     def _usable(self, store: TokenStore) -> list[tuple[torch.Tensor, int]]:
         out = []
@@ -217,18 +220,22 @@ class Trainer:
     def fit(self, progress: bool = True, resume: bool = True) -> list[float]:
         if resume and self.load_state():
             print(f"resumed from {self.state_path} at step {self.step}/{self.total_steps}")
-        t0, rate_fixed = time.time(), self.cfg.time_budget_s is None
+        t0, marks = time.time(), []
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train drafter")
         while self.step < self.total_steps:
             loss = self.train_step()
             bar.update(1)
-            if not rate_fixed and self.step >= 30:
-                # fit the schedule into the time budget once, from the measured speed (compile/warm-up included)
-                elapsed = time.time() - t0
-                fit = int(self.step + (self.cfg.time_budget_s - elapsed) / (elapsed / self.step) * 0.97)
-                self.total_steps = max(self.step + 1, min(self.total_steps, fit))
-                bar.total = self.total_steps
-                rate_fixed = True
+            if self.cfg.time_budget_s is not None and self.step % 25 == 0 and self.step >= 50:
+                # fit the schedule's length to the time budget from the speed of the last steps (warm-up excluded),
+                # re-estimated as training goes; the cosine LR follows the moving end
+                now = time.time()
+                marks.append((self.step, now))
+                (s0, t_0), (s1, t_1) = marks[max(0, len(marks) - 8)], marks[-1]
+                if s1 > s0:
+                    left = self.cfg.time_budget_s - (now - t0)
+                    fit = int(self.step + left / ((t_1 - t_0) / (s1 - s0)))
+                    self.total_steps = max(self.step + 1, min(self.cfg.steps, fit))
+                    bar.total = self.total_steps
             if not progress and self.step % (self.cfg.log_every * 20) == 0:
                 print(f"step {self.step}/{self.total_steps} loss {sum(self.losses[-100:]) / len(self.losses[-100:]):.3f} "
                       f"lr {self.sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)

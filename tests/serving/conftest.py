@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,3 +15,25 @@ def dflash_pair(tmp_path_factory):
     root.mkdir(parents=True, exist_ok=True)
     target, draft, info = build_pair(root)
     return root, target, draft, info
+
+
+BASE_PORT = 30001
+
+
+@pytest.fixture(scope="session")
+def baseline(dflash_pair):
+    """The no-speculation server on the tiny Qwen3 target, shared by every module that compares against it.
+
+    Launched and returned at once (not waited for): each user waits for it together with its own DFLASH server,
+    so the two cold starts overlap. Stopped (process group killed by PID) at the end of the session."""
+    pytest.importorskip("openai")
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the stub libcuda.so.1")
+    from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server
+
+    root, target, _, _ = dflash_pair
+    server = launch_server(target, BASE_PORT, root / "base.log", CPU_SERVER_ARGS, cpu_server_env(root / "stub"))
+    try:
+        yield server
+    finally:
+        server.stop()

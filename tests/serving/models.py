@@ -39,3 +39,28 @@ def build_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, dict]:
     info = {"vocab": vocab, "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
     info_file.write_text(json.dumps(info))
     return target_dir, draft_dir, info
+
+
+def build_gemma3_pair(root: Path) -> tuple[Path, Path, dict]:
+    """A float32 tiny Gemma-3 target (tied embeddings: SGLang 0.5.17's Gemma3ForCausalLM always computes logits
+    with embed_tokens) and an untrained drafter whose config carries input_embedding_scale = sqrt(hidden), as
+    tiny_drafter_config sets it for Gemma targets. Used for greedy equality only (acceptance is not the point)."""
+    import json as _json
+
+    from sglang_dflash.serving.cpu_support import build_stub_libcuda, save_drafter_dir, save_tiny_target
+    from sglang_dflash.tiny import tiny_drafter
+
+    target_dir, draft_dir, stub = root / "gemma3_target", root / "gemma3_draft", root / "stub"
+    info_file = root / "gemma3_info.json"
+    build_stub_libcuda(stub)
+    if info_file.is_file():
+        return target_dir, draft_dir, _json.loads(info_file.read_text())
+    torch.manual_seed(0)
+    target = save_tiny_target(target_dir, arch="gemma3", peak=8.0, tie_word_embeddings=True)
+    drafter = tiny_drafter(target.config, mask_token_id=4, num_layers=1, block_size=16)
+    save_drafter_dir(drafter, target_dir, draft_dir)
+    scale = drafter.config.input_embedding_scale
+    info = {"vocab": target.config.vocab_size, "input_embedding_scale": scale,
+            "model_type": target.config.model_type}
+    info_file.write_text(_json.dumps(info))
+    return target_dir, draft_dir, info

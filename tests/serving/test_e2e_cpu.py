@@ -2,17 +2,16 @@
 
 Both servers run a float32 tiny Qwen3 target with peaky logits; the DFLASH one uses a drafter trained for a few
 hundred CPU steps on the target's own greedy continuations, so acceptance > 1 happens in the server. Greedy outputs
-must be token-for-token identical. Where they differ, the test asks the baseline for its top-2 logprobs at the first
-differing position: only an exact tie (|top1 - top2| <= TIE_TOL) excuses a divergence; anything else fails.
+must be token-for-token identical (exact ties excused, see compare.py). Every test runs twice: with overlap
+scheduling (SGLang's default, the scheduler prepares step n+1 while step n's results are still pending) and with
+--disable-overlap-schedule. One baseline server (conftest.baseline, no overlap) serves both.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import shutil
 import time
-import urllib.request
 
 import pytest
 
@@ -24,63 +23,40 @@ if shutil.which("gcc") is None:
 
 from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
+from .compare import SPEC_ARGS, assert_equal_or_tie, assert_valid_sample, complete, generate  # noqa: E402
+from .compare import client as _client  # noqa: E402
+from .compare import wait_all_healthy  # noqa: E402
 from .models import random_prompts  # noqa: E402
 
-SPEC_PORT, BASE_PORT = 30000, 30001
-TIE_TOL = 1e-4  # float32 logprobs: a gap this small is an exact tie up to accumulation order
 MAX_TOKENS = 48
-STARTUP_S = 300
+MODES = {"overlap": 30000, "no_overlap": 30002}  # mode -> port of its DFLASH server
 
 
-@pytest.fixture(scope="module")
-def servers(dflash_pair):
+@pytest.fixture(scope="module", params=list(MODES))
+def servers(request, dflash_pair, baseline):
+    """A DFLASH server in the given scheduling mode (started and stopped per mode) and the shared baseline."""
+    mode = request.param
     root, target, draft, info = dflash_pair
-    env = cpu_server_env(root / "stub")
-    spec_args = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
-                 "--speculative-num-draft-tokens", "16", "--speculative-draft-attention-backend", "torch_native"]
-    base = launch_server(target, BASE_PORT, root / "base.log", CPU_SERVER_ARGS, env)
-    spec = launch_server(target, SPEC_PORT, root / "spec.log", CPU_SERVER_ARGS + spec_args, env)
+    args = list(CPU_SERVER_ARGS)
+    if mode == "overlap":
+        args.remove("--disable-overlap-schedule")
+    args += SPEC_ARGS + ["--speculative-draft-model-path", str(draft)]
+    spec = launch_server(target, MODES[mode], root / f"spec_{mode}.log", args, cpu_server_env(root / "stub"))
     try:
-        base.wait_healthy(STARTUP_S)
-        spec.wait_healthy(STARTUP_S)
-        yield {"base": base, "spec": spec, "vocab": info["vocab"], "target": str(target)}
+        wait_all_healthy(baseline, spec)
+        log = spec.log_path.read_text(errors="replace")
+        assert f"overlap={mode == 'overlap'}" in log, f"worker log does not confirm overlap mode {mode}"
+        yield {"base": baseline, "spec": spec, "vocab": info["vocab"], "target": str(target), "mode": mode}
     finally:
         spec.stop()
-        base.stop()
-
-
-def _client(server, timeout=120.0):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=timeout, max_retries=0)
 
 
 def _complete(server, model, prompt, **kw):
-    r = _client(server).completions.create(model=model, prompt=prompt, extra_body={"return_token_ids": True}, **kw)
-    return r.choices[0]
-
-
-def _first_diff(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    return complete(server, model, prompt, **kw)
 
 
 def _assert_equal_or_tie(servers, prompt, base_ids, spec_ids):
-    i = _first_diff(base_ids, spec_ids)
-    if i is None:
-        return False
-    if i >= min(len(base_ids), len(spec_ids)):
-        pytest.fail(f"lengths differ without a token difference: base {len(base_ids)} vs dflash {len(spec_ids)} "
-                    f"for prompt {prompt}")
-    # Ask the baseline for its top-2 at the diverging position (same prefix as both outputs up to i).
-    ch = _complete(servers["base"], servers["target"], prompt + base_ids[:i], max_tokens=1, temperature=0,
-                   logprobs=2)
-    top = sorted(ch.logprobs.top_logprobs[0].values(), reverse=True)
-    gap = top[0] - top[1]
-    assert gap <= TIE_TOL, (f"greedy divergence at output position {i} (base {base_ids[i]} vs dflash {spec_ids[i]}) "
-                            f"where the baseline's top-2 logprobs differ by {gap:.3g} > {TIE_TOL}: not a tie, so "
-                            f"DFLASH is not lossless here. prompt={prompt}")
-    return True
+    return assert_equal_or_tie(servers["base"], servers["target"], prompt, base_ids, spec_ids)
 
 
 def test_concurrent_equality_with_abort_stop_sampling(servers):
@@ -163,9 +139,7 @@ def test_acceptance_above_one_and_logprobs_refused(servers):
     # the reference engine (sglang_dflash.reference) commits 13.2 tokens per step on it with this pair.
     body = {"input_ids": random_prompts(18, vocab, seed=7)[5], "sampling_params": {"max_new_tokens": 64,
                                                                                     "temperature": 0}}
-    req = urllib.request.Request(spec.url + "/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    meta = json.loads(urllib.request.urlopen(req, timeout=120).read())["meta_info"]
+    meta = generate(spec, body)["meta_info"]
     accept = meta.get("spec_accept_length")
     assert accept is not None, f"no spec_accept_length in meta_info: {sorted(meta)}"
     assert accept > 4.0, f"accept length {accept}: the reference engine gets 13.2 on this prompt with this pair"
@@ -174,3 +148,71 @@ def test_acceptance_above_one_and_logprobs_refused(servers):
         _client(spec).completions.create(model=servers["target"], prompt=[5, 6, 7], max_tokens=4, logprobs=2)
     time.sleep(0.1)
     assert spec.alive()
+
+
+# Controls a DFLASH verify step would not apply (penalizer state must advance token by token inside the block):
+# refused with HTTP 400 naming the control, never silently ignored. (request kwargs, text the error must contain)
+UNAPPLIED = [
+    ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
+    ({"presence_penalty": 0.3}, "presence_penalty=0.3"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty=1.2"),
+    ({"extra_body": {"min_tokens": 5}}, "min_new_tokens=5"),
+]
+
+
+def test_unapplied_sampling_controls_refused(servers):
+    spec, base, model, vocab = servers["spec"], servers["base"], servers["target"], servers["vocab"]
+    prompt = random_prompts(1, vocab, seed=31)[0]
+    for kw, needle in UNAPPLIED:
+        with pytest.raises(openai.BadRequestError, match="not supported with --speculative-algorithm DFLASH") as e:
+            _complete(spec, model, prompt, max_tokens=8, temperature=0, **dict(kw))
+        assert needle in str(e.value), f"{kw}: the 400 does not name the control: {e.value}"
+        # the same request is valid for the server without speculation (so the 400 is ours, not a bad request)
+        assert _complete(base, model, prompt, max_tokens=8, temperature=0, **dict(kw)).token_ids
+    # the native API too, and sampled requests too
+    r = generate(spec, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.7,
+                                                                 "repetition_penalty": 1.1}})
+    assert r.get("status") == 400 and "repetition_penalty=1.1" in r["error"], r
+    # the controls at their neutral values are accepted and change nothing
+    neutral = _complete(spec, model, prompt, max_tokens=MAX_TOKENS, temperature=0, frequency_penalty=0.0,
+                        presence_penalty=0.0, extra_body={"repetition_penalty": 1.0, "min_tokens": 0})
+    plain = _complete(base, model, prompt, max_tokens=MAX_TOKENS, temperature=0)
+    _assert_equal_or_tie(servers, prompt, list(plain.token_ids), list(neutral.token_ids))
+    assert spec.alive()
+
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "min_p": 0.05}
+
+
+def test_mixed_greedy_and_sampled_batch(servers):
+    """Greedy rows in a batch that also holds sampled rows stay identical to the baseline; sampled rows are complete
+    and every sampled token lies inside the target's processed support (temperature, top-p, min-p)."""
+    spec, base, model, vocab = servers["spec"], servers["base"], servers["target"], servers["vocab"]
+    greedy_p = random_prompts(8, vocab, seed=41)
+    sampled_p = random_prompts(8, vocab, seed=42)
+
+    def sampled(i, p):
+        return _complete(spec, model, p, max_tokens=MAX_TOKENS, temperature=SAMPLED["temperature"],
+                         top_p=SAMPLED["top_p"], seed=100 + i, extra_body={"min_p": SAMPLED["min_p"]})
+
+    with cf.ThreadPoolExecutor(max_workers=24) as pool:
+        # sampled first, so the greedy requests join a running batch that already holds sampled rows
+        samp_f = [pool.submit(sampled, i, p) for i, p in enumerate(sampled_p)]
+        spec_f = [pool.submit(_complete, spec, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in greedy_p]
+        base_f = [pool.submit(_complete, base, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in greedy_p]
+        samp, spec_out, base_out = ([f.result() for f in fs] for fs in (samp_f, spec_f, base_f))
+
+    ties = sum(_assert_equal_or_tie(servers, p, list(b.token_ids), list(s.token_ids))
+               for p, b, s in zip(greedy_p, base_out, spec_out))
+    assert ties <= 1, f"{ties} of {len(greedy_p)} greedy prompts diverged at ties"
+    for p, ch in zip(sampled_p, samp):
+        toks = list(ch.token_ids)
+        assert ch.finish_reason in ("length", "stop") and toks, (ch.finish_reason, toks)
+        if ch.finish_reason == "length":
+            assert len(toks) == MAX_TOKENS
+        assert all(0 <= t < vocab for t in toks)
+        assert_valid_sample(base, p, toks, vocab, **SAMPLED)
+    # sampling actually happened (not a greedy fallback): some sampled output differs from its greedy output
+    greedy_of_sampled = [_complete(base, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in sampled_p[:4]]
+    assert any(list(g.token_ids) != list(s.token_ids) for g, s in zip(greedy_of_sampled, samp)), \
+        "every sampled output equals its greedy output"

@@ -1,0 +1,105 @@
+"""Talking to the CPU test servers and comparing a DFLASH server's output with a no-speculation baseline.
+
+Greedy outputs must be token-for-token identical. Where they differ, the baseline is asked for its top-2 logprobs
+at the first differing position: only an exact tie (|top1 - top2| <= TIE_TOL, float32) excuses a divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+TIE_TOL = 1e-4  # float32 logprobs: a gap this small is an exact tie up to accumulation order
+SPEC_ARGS = ["--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", "16",
+             "--speculative-draft-attention-backend", "torch_native"]
+STARTUP_S = 420  # a cold start on a busy 2-core machine takes 35-200 s
+
+
+def client(server, timeout=180.0):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=timeout, max_retries=0)
+
+
+def complete(server, model, prompt, **kw):
+    r = client(server).completions.create(model=model, prompt=prompt, extra_body={"return_token_ids": True,
+                                                                                   **kw.pop("extra_body", {})}, **kw)
+    return r.choices[0]
+
+
+def generate(server, body: dict, timeout=300.0) -> dict:
+    """POST /generate; returns the JSON answer, or {"status": code, "error": text} for an HTTP error."""
+    req = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "error": e.read().decode(errors="replace")}
+
+
+def first_diff(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def assert_equal_or_tie(base, model, prompt, base_ids, spec_ids) -> bool:
+    """True if the outputs diverge at an exact tie of the baseline, False if identical; fails otherwise."""
+    base_ids, spec_ids = list(base_ids), list(spec_ids)
+    i = first_diff(base_ids, spec_ids)
+    if i is None:
+        return False
+    if i >= min(len(base_ids), len(spec_ids)):
+        pytest.fail(f"lengths differ without a token difference: base {len(base_ids)} vs dflash {len(spec_ids)} "
+                    f"for prompt {prompt}")
+    ch = complete(base, model, prompt + base_ids[:i], max_tokens=1, temperature=0, logprobs=2)
+    top = sorted(ch.logprobs.top_logprobs[0].values(), reverse=True)
+    gap = top[0] - top[1]
+    assert gap <= TIE_TOL, (f"greedy divergence at output position {i} (base {base_ids[i]} vs dflash {spec_ids[i]}) "
+                            f"where the baseline's top-2 logprobs differ by {gap:.3g} > {TIE_TOL}: not a tie, so "
+                            f"DFLASH is not lossless here. prompt={prompt}")
+    return True
+
+
+def wait_all_healthy(*servers, timeout_s: float = STARTUP_S) -> None:
+    t0 = time.time()
+    for s in servers:
+        s.wait_healthy(max(timeout_s - (time.time() - t0), 5.0))
+
+
+def log_count(server, needle: str) -> int:
+    return server.log_path.read_text(errors="replace").count(needle)
+
+
+def assert_valid_sample(base, prompt, tokens, vocab, temperature, top_p, min_p, slack=1e-3) -> None:
+    """Every sampled token lies in the support of the target's processed distribution (temperature, top-p, min-p),
+    judged from the baseline's full next-token logprobs at each position (one prefill, all input positions)."""
+    body = {"input_ids": list(prompt) + list(tokens), "return_logprob": True, "top_logprobs_num": vocab,
+            "logprob_start_len": len(prompt) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    meta = generate(base, body)["meta_info"]
+    # rows[j]: the distribution of the token at input position start + j (raw logits, temperature 1); rows[0] is
+    # None (the prompt's last token), so sampled token k is judged by rows[k + 1].
+    rows = meta["input_top_logprobs"]
+    assert len(rows) == len(tokens) + 1, f"{len(rows)} logprob rows for {len(tokens)} sampled tokens"
+    for k, tok in enumerate(tokens):
+        lps = {tid: lp for lp, tid, _ in rows[k + 1] if lp is not None}
+        assert len(lps) == vocab, f"{len(lps)} logprobs at position {k}, expected the whole vocabulary"
+        assert tok in lps, f"sampled token {tok} at {k} is not in the vocabulary's logprobs"
+        scaled = sorted(((lp / temperature, tid) for tid, lp in lps.items()), reverse=True)
+        z = math.log(sum(math.exp(s - scaled[0][0]) for s, _ in scaled)) + scaled[0][0]
+        probs = [(math.exp(s - z), tid) for s, tid in scaled]
+        mass_before, p_tok = 0.0, None
+        for p, tid in probs:
+            if tid == tok:
+                p_tok = p
+                break
+            mass_before += p
+        assert mass_before < top_p + slack, (f"token {tok} at output position {k} lies outside the top_p={top_p} "
+                                             f"nucleus (mass before it {mass_before:.4f})")
+        assert p_tok >= min_p * probs[0][0] * (1 - slack), (
+            f"token {tok} at output position {k} has p={p_tok:.4g} < min_p={min_p} x p_max={probs[0][0]:.4g}")

@@ -1,0 +1,85 @@
+"""Scheduler paths that move a DFLASH request around: chunked prefill and retraction (preemption), on CPU.
+
+One DFLASH server (overlap on, SGLang's default) with `--chunked-prefill-size 16` and a KV pool of 640 tokens:
+- prompts of 40-90 tokens are prefilled in chunks of 16 (the draft context K/V of every chunk must be written);
+- 18 concurrent requests need ~2,500 slots with DFLASH's reservation (committed + 2 x 16 per request), so the
+  scheduler must retract running requests and re-prefill them later from the radix cache.
+Greedy outputs must equal the shared no-speculation baseline (exact ties excused, see compare.py), and the log
+must show that chunking and retraction really happened.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.server
+pytest.importorskip("sglang")
+openai = pytest.importorskip("openai")
+if shutil.which("gcc") is None:
+    pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
+
+from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
+
+from .compare import SPEC_ARGS, assert_equal_or_tie, complete, log_count, wait_all_healthy  # noqa: E402
+from .models import random_prompts  # noqa: E402
+
+PORT = 30003
+CHUNK = 16
+KV_TOKENS = 640
+MAX_TOKENS = 48
+RETRACT_LOG = "Retract requests"
+
+
+@pytest.fixture(scope="module")
+def servers(dflash_pair, baseline):
+    root, target, draft, info = dflash_pair
+    args = [a for a in CPU_SERVER_ARGS if a != "--disable-overlap-schedule"]
+    i = args.index("--max-total-tokens")
+    args[i + 1] = str(KV_TOKENS)
+    args += ["--chunked-prefill-size", str(CHUNK), *SPEC_ARGS, "--speculative-draft-model-path", str(draft)]
+    spec = launch_server(target, PORT, root / "spec_sched.log", args, cpu_server_env(root / "stub"))
+    try:
+        wait_all_healthy(baseline, spec)
+        yield {"base": baseline, "spec": spec, "vocab": info["vocab"], "target": str(target)}
+    finally:
+        spec.stop()
+
+
+def _compare(servers, prompts, max_workers):
+    base, spec, model = servers["base"], servers["spec"], servers["target"]
+    with cf.ThreadPoolExecutor(max_workers=max_workers) as pool:
+        spec_f = [pool.submit(complete, spec, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
+        base_f = [pool.submit(complete, base, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
+        spec_out, base_out = [f.result() for f in spec_f], [f.result() for f in base_f]
+    ties = 0
+    for p, b, s in zip(prompts, base_out, spec_out):
+        assert s.token_ids, f"empty output for {p}"
+        ties += assert_equal_or_tie(base, model, p, b.token_ids, s.token_ids)
+    return ties
+
+
+def test_chunked_prefill_equality(servers):
+    prompts = random_prompts(4, servers["vocab"], seed=51, lo=40, hi=90)
+    assert all(len(p) > 2 * CHUNK for p in prompts)
+    before = log_count(servers["spec"], f"#new-token: {CHUNK},")
+    ties = _compare(servers, prompts, max_workers=2)  # two at a time: the KV pool holds both without retraction
+    assert ties <= 1
+    chunks = log_count(servers["spec"], f"#new-token: {CHUNK},") - before
+    assert chunks >= 4, f"only {chunks} prefill chunks of {CHUNK} tokens in the log: chunked prefill did not happen"
+
+
+def test_retraction_equality(servers):
+    spec = servers["spec"]
+    prompts = random_prompts(18, servers["vocab"], seed=11, lo=20, hi=60)
+    before = log_count(spec, RETRACT_LOG)
+    ties = _compare(servers, prompts, max_workers=36)
+    assert ties <= 2
+    retracted = log_count(spec, RETRACT_LOG) - before
+    assert retracted >= 1, f"the scheduler never retracted (no {RETRACT_LOG!r} in {spec.log_path}): KV pool too big"
+    # everything came back: a request after the storm is served and still equal
+    p = random_prompts(1, servers["vocab"], seed=12)[0]
+    _compare(servers, [p], max_workers=2)
+    assert spec.alive()
