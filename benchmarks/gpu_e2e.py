@@ -73,6 +73,19 @@ def accept_length(results) -> float | None:
     return toks / steps if steps else None
 
 
+def chat_prompts(target: Path, n: int) -> list[list[int]]:
+    """First turns of the committed prompt sets, datasets interleaved, as chat-template token ids."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import prompts as prompt_sets
+    from sglang_dflash.smollm2 import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    sets = list(prompt_sets.load().values())
+    texts = [s[i]["turns"][0] for i in range(n) for s in sets if i < len(s)][:n]
+    return [chat_ids(tok, t) for t in texts]
+
+
 def build_tiny(root: Path) -> tuple[Path, Path]:
     """A float32-capable tiny Qwen3 target (peaky logits) and a drafter trained on its greedy continuations."""
     import torch
@@ -105,6 +118,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--tie-tol", type=float, default=1e-3)
     ap.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn from [5, vocab)")
+    ap.add_argument("--chat", action="store_true",
+                    help="real prompts (benchmarks/data/prompts.jsonl, datasets in turn) through the target's chat "
+                         "template instead of random token ids: for real-weight targets, so tau means something")
     ap.add_argument("--wait-s", type=float, default=400)
     ap.add_argument("--server-args", default="--attention-backend triton --mem-fraction-static 0.25 "
                     "--cuda-graph-max-bs 32 --grammar-backend none --sampling-backend pytorch --dtype float32")
@@ -115,9 +131,12 @@ def main(argv=None) -> int:
         target, draft = build_tiny(args.build_tiny)
     else:
         target, draft = Path(args.target), Path(args.draft)
-    vocab = args.vocab or json.loads((target / "config.json").read_text())["vocab_size"]
-    rng = random.Random(7)
-    prompts = [[rng.randrange(5, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(args.prompts)]
+    if args.chat:
+        prompts = chat_prompts(target, args.prompts)
+    else:
+        vocab = args.vocab or json.loads((target / "config.json").read_text())["vocab_size"]
+        rng = random.Random(7)
+        prompts = [[rng.randrange(5, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(args.prompts)]
     base_args = args.server_args.split()
     spec_args = base_args + ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
                              "--speculative-num-draft-tokens", "16",

@@ -251,3 +251,33 @@ def test_driver_ours_requires_log_marker(tmp_path, monkeypatch):
     driver.main(common + ["--out", str(out2), "--port", str(free_port())] + bench_args)  # fake prints the marker
     d = json.loads((out2 / "ours.json").read_text())
     assert "skipped" not in d and d["levels"][0]["tau"] == pytest.approx(4 / 2)
+
+
+# --------------------------------------------------------------------------------------------- profile
+def test_profile_summary_of_a_synthetic_trace(tmp_path):
+    """Busy time is the union of kernel intervals, idle gaps are what lies between, and a host synchronisation is
+    attributed to the ops that enclose it on its own thread (so a sync inside dflash.* is named)."""
+    from benchmarks import profile_step
+
+    def ev(cat, name, ts, dur, tid):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    events = [ev("kernel", "gemm", 0, 100, 7), ev("kernel", "gemm", 50, 100, 7),  # overlapping: 150 covered
+              ev("kernel", "attn", 400, 100, 7),                                   # after a 250 us gap
+              ev("user_annotation", "dflash.verify", 0, 350, 3), ev("cpu_op", "aten::item", 100, 60, 3),
+              ev("cuda_runtime", "cudaStreamSynchronize", 110, 40, 3),
+              ev("cuda_runtime", "cudaStreamSynchronize", 110, 40, 4),             # other thread: no context
+              ev("cuda_runtime", "cudaGraphLaunch", 5, 4, 3), ev("gpu_user_annotation", "dflash.verify", 0, 300, 7)]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = profile_step.summarise_trace(path, steps=2)
+    assert s["wall_ms"] == pytest.approx(0.5) and s["gpu_busy_ms"] == pytest.approx(0.25)
+    assert s["idle_gaps_over_50us"]["count"] == 1 and s["idle_gaps_over_50us"]["total_ms"] == pytest.approx(0.25)
+    assert s["launches_per_step"]["cudaGraphLaunch"] == 0.5
+    wheres = {d["where"]: d["count"] for d in s["syncs"]}
+    assert wheres == {"cudaStreamSynchronize @ tid 3 in aten::item < dflash.verify": 1,
+                      "cudaStreamSynchronize @ tid 4 in -": 1}
+    assert s["phases"]["dflash.verify"] == {"n": 1, "cpu_ms_mean": 0.35, "gpu_ms_mean": 0.3}
+    assert [k["name"] for k in s["top_kernels"]] == ["gemm", "attn"]
+    assert "| ours |" in profile_step.markdown({"ours": s})

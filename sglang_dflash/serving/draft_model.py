@@ -77,14 +77,6 @@ class DraftAttention(nn.Module):
         out, _ = self.o_proj(self.attn(q, k, v, forward_batch))
         return out
 
-    def context_kv(self, positions: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of context rows (no input_layernorm on this path): k_norm + RoPE on K, V as projected."""
-        w = self.qkv_proj.weight[self.q_size:]  # the K and V rows of the fused projection (a view)
-        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
-        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
-        k = self._qk_norm(k, self.k_norm)
-        _, k = self.rotary_emb(positions, torch.empty_like(k), k)  # a dummy Q: the rope op needs one
-        return k, v
 
 
 class DraftMLP(nn.Module):
@@ -136,6 +128,7 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
         self.embed_weight: torch.Tensor | None = None  # the target's, set by bind_target
         self.lm_head_weight: torch.Tensor | None = None
+        self._context_weights = None  # stacked K/V projections of all layers (write_context_kv)
 
     # ------------------------------------------------------------------------------------------ wiring
     def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -154,23 +147,53 @@ class DFlashDraftModel(nn.Module):
     @torch.no_grad()
     def write_context_kv(self, target_features: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor,
                          kv_pool) -> None:
-        """Write every layer's context K/V of these tokens into the draft KV pool at cache_loc."""
+        """Write every layer's context K/V of these tokens into the draft KV pool at cache_loc.
+
+        Context rows skip input_layernorm: K = rope(k_norm(W_k ctx)), V = W_v ctx. All layers at once (one K and one
+        V matmul over stacked weights, one norm, one rope), because this runs eagerly in every decode step and its
+        launch count is host time."""
         ctx = self.project_context(target_features)
-        for layer in self.layers:
-            attn = layer.self_attn
-            k, v = attn.context_kv(positions, ctx)
-            kv_pool.set_kv_buffer(attn.attn, cache_loc, k.view(-1, attn.attn.tp_k_head_num, attn.head_dim),
-                                  v.view(-1, attn.attn.tp_v_head_num, attn.head_dim))
+        n, layers = ctx.shape[0], len(self.layers)
+        attn0 = self.layers[0].self_attn
+        kvh, d = attn0.attn.tp_k_head_num, attn0.head_dim
+        w_k, w_v, b_k, b_v, k_norm_w = self._stacked_context_weights()
+        k = F.linear(ctx, w_k, b_k).view(n, layers, kvh, d)
+        v = F.linear(ctx, w_v, b_v).view(n, layers, kvh, d)
+        k = (F.rms_norm(k.float(), (d,), eps=self.dflash.rms_norm_eps) * k_norm_w[:, None, :]).to(v.dtype)
+        k = k.view(n, layers * kvh * d)
+        _, k = attn0.rotary_emb(positions, torch.empty_like(k), k)  # the rope op needs a Q; same rope in every layer
+        k = k.view(n, layers, kvh, d).transpose(0, 1).contiguous()  # [layers, n, kvh, d]: one slab per layer
+        v = v.transpose(0, 1).contiguous()
+        for i, layer in enumerate(self.layers):
+            kv_pool.set_kv_buffer(layer.self_attn.attn, cache_loc, k[i], v[i])
+
+    def _stacked_context_weights(self):
+        """K and V rows of every layer's fused qkv_proj, stacked (built once, after the weights are loaded)."""
+        if self._context_weights is None:
+            attns = [layer.self_attn for layer in self.layers]
+            q, kv = attns[0].q_size, attns[0].kv_size
+            w_k = torch.cat([a.qkv_proj.weight[q:q + kv] for a in attns])
+            w_v = torch.cat([a.qkv_proj.weight[q + kv:] for a in attns])
+            bias = [a.qkv_proj.bias for a in attns]
+            b_k = torch.cat([b[q:q + kv] for b in bias]) if bias[0] is not None else None
+            b_v = torch.cat([b[q + kv:] for b in bias]) if bias[0] is not None else None
+            k_norm_w = torch.stack([a.k_norm.weight.float() for a in attns])  # [layers, head_dim]
+            if self.dflash.gemma_norm:
+                k_norm_w = k_norm_w + 1.0
+            self._context_weights = (w_k, w_v, b_k, b_v, k_norm_w)
+        return self._context_weights
 
     @torch.no_grad()
-    def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kwargs):
+    def forward(self, input_ids, positions, forward_batch, *_, **__):
+        # No ``input_embeds`` parameter, on purpose: SGLang's decode graph runner captures a DFLASH draft model that
+        # takes one with a static embeds buffer that it refills only when the batch brings embeds, so a graph
+        # captured that way would replay stale embeddings. Embedding the ids here keeps the lookup inside the graph.
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-        if input_embeds is None:
-            input_embeds = F.embedding(input_ids, self.embed_weight)
-            if self.dflash.input_embedding_scale != 1.0:
-                input_embeds = input_embeds * self.dflash.input_embedding_scale
-        x = input_embeds.to(self.fc.weight.dtype)
+        x = F.embedding(input_ids, self.embed_weight)
+        if self.dflash.input_embedding_scale != 1.0:
+            x = x * self.dflash.input_embedding_scale
+        x = x.to(self.fc.weight.dtype)
         for layer in self.layers:
             x = layer(positions, x, forward_batch)
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))

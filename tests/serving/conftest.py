@@ -20,12 +20,14 @@ def dflash_pair(tmp_path_factory):
 BASE_PORT = 30001
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def baseline(dflash_pair):
     """The no-speculation server on the tiny Qwen3 target, shared by every module that compares against it.
 
     Launched and returned at once (not waited for): each user waits for it together with its own DFLASH server,
-    so the two cold starts overlap. Stopped (process group killed by PID) at the end of the session."""
+    so the two cold starts overlap. Stopped (process group killed by PID) after the last test of tests/serving
+    (package scope; this directory must stay a package): an idle SGLang server busy-polls about one CPU core, so a
+    session-scoped one would slow every test collected after tests/serving."""
     pytest.importorskip("openai")
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build the stub libcuda.so.1")

@@ -23,7 +23,7 @@ if shutil.which("gcc") is None:
 
 from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
-from .compare import SPEC_ARGS, assert_equal_or_tie, assert_valid_sample, complete, generate  # noqa: E402
+from .compare import SPEC_ARGS, assert_equal_or_tie, assert_valid_sample, complete, count_ties, generate  # noqa: E402
 from .compare import client as _client  # noqa: E402
 from .compare import wait_all_healthy  # noqa: E402
 from .models import random_prompts  # noqa: E402
@@ -98,10 +98,7 @@ def test_concurrent_equality_with_abort_stop_sampling(servers):
         one, b_one, st, b_st, samp = (f.result() for f in (one_f, base_one, stop_f, base_stop, samp_f))
         assert abort_f.result() == "aborted"
 
-    ties = 0
-    for p, b, s in zip(prompts, base_out, spec_out):
-        assert s.token_ids, f"empty output for {p}"
-        ties += _assert_equal_or_tie(servers, p, list(b.token_ids), list(s.token_ids))
+    ties = count_ties(base, model, prompts, base_out, spec_out)
     assert ties <= 2, f"{ties} of {len(prompts)} prompts diverged at ties: the fp32 peaky setup should make ties rare"
 
     assert list(one.token_ids) == list(b_one.token_ids) and len(one.token_ids) == 1
@@ -144,7 +141,9 @@ def test_acceptance_above_one_and_logprobs_refused(servers):
     meta = generate(spec, body)["meta_info"]
     accept = meta.get("spec_accept_length")
     assert accept is not None, f"no spec_accept_length in meta_info: {sorted(meta)}"
-    assert accept > 4.0, f"accept length {accept}: the reference engine gets 13.2 on this prompt with this pair"
+    # 12.8 measured (64 tokens in 5 steps). Well above 1 is not enough: a context K/V written slightly wrong (a
+    # layer's norm, RoPE or projection) still accepts some drafts, so hold the server close to the oracle.
+    assert accept >= 10.0, f"accept length {accept}: the reference engine gets 13.2 on this prompt with this pair"
 
     with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
         _client(spec).completions.create(model=servers["target"], prompt=[5, 6, 7], max_tokens=4, logprobs=2)

@@ -10,7 +10,6 @@ bfloat16 by default.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import shutil
 
 import pytest
@@ -23,7 +22,7 @@ if shutil.which("gcc") is None:
 
 from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
-from .compare import SPEC_ARGS, assert_equal_or_tie, complete, wait_all_healthy  # noqa: E402
+from .compare import SPEC_ARGS, compare_greedy, wait_all_healthy  # noqa: E402
 from .models import build_gemma3_pair, random_prompts  # noqa: E402
 
 SPEC_PORT, BASE_PORT = 30004, 30005
@@ -52,14 +51,7 @@ def test_gemma3_greedy_equality(gemma):
     base, spec, model, info = gemma["base"], gemma["spec"], gemma["target"], gemma["info"]
     assert info["model_type"] == "gemma3_text" and info["input_embedding_scale"] == 8.0, info
     prompts = random_prompts(8, info["vocab"], seed=61, lo=12, hi=40)
-    with cf.ThreadPoolExecutor(max_workers=16) as pool:
-        spec_f = [pool.submit(complete, spec, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
-        base_f = [pool.submit(complete, base, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
-        spec_out, base_out = [f.result() for f in spec_f], [f.result() for f in base_f]
-    ties = 0
-    for p, b, s in zip(prompts, base_out, spec_out):
-        assert s.token_ids, f"empty output for {p}"
-        ties += assert_equal_or_tie(base, model, p, b.token_ids, s.token_ids)
+    ties = compare_greedy(base, spec, model, prompts, max_tokens=MAX_TOKENS, max_workers=16)
     assert ties <= 2, f"{ties} of {len(prompts)} prompts diverged at ties"
     log = spec.log_path.read_text(errors="replace")
     assert "sglang-dflash worker ready" in log and "Gemma3ForCausalLM" in log, "not our worker on a Gemma-3 target"

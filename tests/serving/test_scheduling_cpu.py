@@ -12,7 +12,6 @@ must show that chunking and retraction really happened.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import shutil
 
 import pytest
@@ -25,7 +24,7 @@ if shutil.which("gcc") is None:
 
 from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
-from .compare import SPEC_ARGS, assert_equal_or_tie, complete, log_count, wait_all_healthy  # noqa: E402
+from .compare import SPEC_ARGS, compare_greedy, log_count, wait_all_healthy  # noqa: E402
 from .models import random_prompts  # noqa: E402
 
 PORT = 30003
@@ -53,16 +52,8 @@ def servers(dflash_pair, baseline):
 
 
 def _compare(servers, prompts, max_workers):
-    base, spec, model = servers["base"], servers["spec"], servers["target"]
-    with cf.ThreadPoolExecutor(max_workers=max_workers) as pool:
-        spec_f = [pool.submit(complete, spec, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
-        base_f = [pool.submit(complete, base, model, p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
-        spec_out, base_out = [f.result() for f in spec_f], [f.result() for f in base_f]
-    ties = 0
-    for p, b, s in zip(prompts, base_out, spec_out):
-        assert s.token_ids, f"empty output for {p}"
-        ties += assert_equal_or_tie(base, model, p, b.token_ids, s.token_ids)
-    return ties
+    return compare_greedy(servers["base"], servers["spec"], servers["target"], prompts, max_tokens=MAX_TOKENS,
+                          max_workers=max_workers)
 
 
 def test_chunked_prefill_equality(servers):

@@ -1,0 +1,15 @@
+# Source on the lent GPU machine, from the repo root:  source benchmarks/gpu_env.sh
+# Puts the device-stack SGLang (shared/device-stack) first on PYTHONPATH and registers our plugin without pip:
+# the GPU machine's setuptools is too old to build our wheel (SPDX license string), so the entry point is declared
+# by a hand-written dist-info in the stack's site folder, and the package is imported from this tree.
+if [ -f .devstack/part1/install.sh ]; then
+  eval "$(bash .devstack/part1/install.sh)" || return 1
+else
+  source /tmp/devstack/env.sh || { echo "no device stack: carry .devstack/part1 in this call" >&2; return 1; }
+fi
+_di=/tmp/devstack/site/sglang_dflash-0.1.0.dist-info
+mkdir -p "$_di" /tmp/ours
+printf 'Metadata-Version: 2.1\nName: sglang-dflash\nVersion: 0.1.0\n' > "$_di/METADATA"
+printf '[sglang.srt.plugins]\ndflash = sglang_dflash.serving.plugin:register\n' > "$_di/entry_points.txt"
+ln -sfn "$PWD/sglang_dflash" /tmp/ours/sglang_dflash
+export PYTHONPATH="/tmp/ours:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1

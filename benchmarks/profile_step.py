@@ -1,0 +1,272 @@
+"""Where does a decode step's time go? A torch-profiler trace of a loaded server, summarised per method.
+
+    python -m benchmarks.profile_step --target T --draft D [--dummy] --methods ours,builtin,none \
+        --concurrency 32 --steps 40 --out DIR
+
+For each method the server (same arguments as ``benchmarks.driver``) is driven by ``--concurrency`` closed-loop
+greedy requests that stay in decode; once they run, SGLang's ``/start_profile`` records ``--steps`` forward steps
+(CPU + GPU). The trace is then reduced to what tells a slow step apart:
+
+- wall time per step vs GPU busy time per step (a step that is GPU-bound has busy ~ wall; idle GPU means the host
+  is the bottleneck: launches, Python, or a synchronisation that stops overlap scheduling from hiding them);
+- host synchronisations (``cuda*Synchronize``, blocking copies) with the op and ``dflash.*`` phase around them;
+- the kernels that take the GPU time, and the ``dflash.*`` phases (draft, verify, accept, commit) on CPU and GPU.
+
+Output: ``DIR/profile_summary.json`` and ``DIR/profile_summary.md``; the raw traces stay in ``DIR/traces``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import concurrent.futures as cf
+import gzip
+import json
+import random
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+from . import driver
+
+SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize")
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+CONTEXT_CATS = {"cpu_op", "user_annotation"}
+
+
+def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"text": raw.decode(errors="replace")}
+
+
+class Load:
+    """``n`` closed-loop clients that keep requests in decode until stopped."""
+
+    def __init__(self, url: str, n: int, prompt_len: int, max_new: int, vocab: int, seed: int = 0):
+        self.url, self.n, self.prompt_len, self.max_new, self.vocab = url, n, prompt_len, max_new, vocab
+        self.stop = threading.Event()
+        self.rng = random.Random(seed)
+        self.done = 0
+        self.pool = cf.ThreadPoolExecutor(n)
+        self.futures = []
+
+    def _client(self, k: int) -> None:
+        rng = random.Random(k)
+        while not self.stop.is_set():
+            ids = [rng.randrange(100, self.vocab) for _ in range(self.prompt_len)]
+            try:
+                _post(self.url + "/generate", {"input_ids": ids, "sampling_params": {
+                    "temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}})
+                self.done += 1
+            except Exception:
+                if self.stop.is_set():
+                    return
+                time.sleep(0.5)
+
+    def start(self) -> None:
+        self.futures = [self.pool.submit(self._client, k) for k in range(self.n)]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------------- trace analysis
+def _union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Total covered length and the idle gaps between covered stretches (all in microseconds)."""
+    total, gaps, end = 0.0, [], None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                gaps.append(s - end)
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total, gaps
+
+
+def summarise_trace(path: Path, steps: int) -> dict:
+    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    if not gpu:
+        return {"error": f"no GPU events in {path.name}"}
+    t0 = min(e["ts"] for e in gpu)
+    t1 = max(e["ts"] + e["dur"] for e in gpu)
+    busy, gaps = _union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        k = kernels[e["name"][:90]]
+        k[0] += 1
+        k[1] += e["dur"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:20]
+
+    # context ops per host thread, sorted by start, to name what encloses a synchronisation
+    by_thread = defaultdict(list)
+    for e in events:
+        if e.get("cat") in CONTEXT_CATS:
+            by_thread[(e["pid"], e["tid"])].append(e)
+    for v in by_thread.values():
+        v.sort(key=lambda e: e["ts"])
+    starts = {k: [e["ts"] for e in v] for k, v in by_thread.items()}
+
+    def enclosing(e) -> list[str]:
+        key = (e["pid"], e["tid"])
+        v = by_thread.get(key, [])
+        i = bisect.bisect_right(starts.get(key, []), e["ts"])
+        names = [c["name"] for c in v[max(0, i - 400):i] if c["ts"] + c["dur"] >= e["ts"] + e["dur"]]
+        return names[-4:]
+
+    syncs = defaultdict(lambda: {"count": 0, "total_us": 0.0})
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    for e in runtime:
+        if any(e["name"].startswith(n) for n in SYNC_NAMES) or (e["name"] == "cudaMemcpyAsync" and e["dur"] > 30):
+            ctx = " < ".join(reversed(enclosing(e))) or "-"
+            s = syncs[f"{e['name']} @ tid {e['tid']} in {ctx}"]
+            s["count"] += 1
+            s["total_us"] += e["dur"]
+    launches = defaultdict(int)
+    for e in runtime:
+        if e["name"] in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                         "cudaLaunchKernelExC"):
+            launches[e["name"]] += 1
+
+    phases = defaultdict(lambda: {"cpu_us": [], "gpu_us": []})
+    for e in events:
+        if e["name"].startswith("dflash."):
+            phases[e["name"]]["gpu_us" if e.get("cat") == "gpu_user_annotation" else "cpu_us"].append(e["dur"])
+    wall = t1 - t0
+    return {
+        "trace": path.name,
+        "steps": steps,
+        "wall_ms": wall / 1e3,
+        "gpu_busy_ms": busy / 1e3,
+        "gpu_busy_fraction": busy / wall if wall else None,
+        "wall_ms_per_step": wall / 1e3 / steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "idle_gaps_over_50us": {"count": sum(g > 50 for g in gaps), "total_ms": sum(g for g in gaps if g > 50) / 1e3,
+                                "largest_ms": sorted((round(g / 1e3, 3) for g in gaps), reverse=True)[:8]},
+        "launches_per_step": {k: v / steps for k, v in launches.items()},
+        "top_kernels": [{"name": n, "count": c, "total_ms": t / 1e3, "ms_per_step": t / 1e3 / steps}
+                        for n, (c, t) in top],
+        "syncs": sorted(({"where": k, "count": v["count"], "total_ms": v["total_us"] / 1e3}
+                         for k, v in syncs.items()), key=lambda d: -d["total_ms"])[:25],
+        "phases": {k: {"n": len(v["cpu_us"]),
+                       "cpu_ms_mean": (sum(v["cpu_us"]) / len(v["cpu_us"]) / 1e3) if v["cpu_us"] else None,
+                       "gpu_ms_mean": (sum(v["gpu_us"]) / len(v["gpu_us"]) / 1e3) if v["gpu_us"] else None}
+                   for k, v in sorted(phases.items())},
+    }
+
+
+def markdown(results: dict) -> str:
+    lines = ["| method | wall ms/step | GPU busy ms/step | busy % | idle gaps > 50 us (ms total) | graph launches/step |",
+             "|---|---|---|---|---|---|"]
+    for m, r in results.items():
+        if "wall_ms_per_step" not in r:
+            lines.append(f"| {m} | {r.get('error') or r.get('skipped')} | | | | |")
+            continue
+        lines.append(f"| {m} | {r['wall_ms_per_step']:.2f} | {r['gpu_busy_ms_per_step']:.2f} | "
+                     f"{100 * r['gpu_busy_fraction']:.0f} | {r['idle_gaps_over_50us']['total_ms']:.1f} | "
+                     f"{r['launches_per_step'].get('cudaGraphLaunch', 0):.1f} |")
+    for m, r in results.items():
+        if "top_kernels" not in r:
+            continue
+        lines += ["", f"## {m}", "", "phases (ms, mean): " + ", ".join(
+            f"{k} cpu {v['cpu_ms_mean'] or 0:.2f} / gpu {v['gpu_ms_mean'] or 0:.2f}" for k, v in r["phases"].items()),
+            "", "| kernel | per step (ms) | count |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['count']} |" for k in r["top_kernels"][:12]]
+        lines += ["", "| host synchronisation (where) | count | total ms |", "|---|---|---|"]
+        lines += [f"| {s['where'][:160]} | {s['count']} | {s['total_ms']:.2f} |" for s in r["syncs"][:12]]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def _wait_for_trace(tdir: Path, timeout_s: float) -> Path | None:
+    """The first trace file once its size has stopped changing (the profiler writes it after the last step)."""
+    deadline, last = time.time() + timeout_s, None
+    while time.time() < deadline:
+        found = sorted(tdir.rglob("*.trace.json*"))
+        sizes = [f.stat().st_size for f in found]
+        if found and all(sizes) and sizes == last:
+            return found[0]
+        last = sizes
+        time.sleep(2)
+    return None
+
+
+def profile_method(args, dargs, method: str, out: Path) -> dict:
+    argv, env = driver.server_argv(dargs, method), driver.server_env(dargs, method)
+    tdir = out / "traces" / method
+    tdir.mkdir(parents=True, exist_ok=True)
+    env["SGLANG_TORCH_PROFILER_DIR"] = str(tdir)
+    srv = driver.Server(argv, env, out / f"profile_{method}.server.log", f"http://{dargs.host}:{dargs.port}")
+    load = None
+    try:
+        srv.start()
+        ok, why = srv.wait_healthy(args.wait_s)
+        print(f"[profile] {method}: {why}", flush=True)
+        if not ok:
+            return {"skipped": why, "log_tail": srv.log_tail()}
+        load = Load(srv.url, args.concurrency, args.prompt_len, args.max_new_tokens, args.vocab)
+        load.start()
+        time.sleep(args.warmup_s)
+        _post(srv.url + "/start_profile", {"output_dir": str(tdir), "num_steps": args.steps,
+                                           "activities": ["CPU", "GPU"], "with_stack": False,
+                                           "record_shapes": False})
+        trace = _wait_for_trace(tdir, 180)
+        if trace is None:
+            return {"error": "no trace written within 180 s", "log_tail": srv.log_tail()}
+        print(f"[profile] {method}: trace {trace.name} ({trace.stat().st_size / 1e6:.1f} MB)", flush=True)
+        for attempt in range(3):
+            try:
+                return summarise_trace(trace, args.steps)
+            except (EOFError, OSError, ValueError) as e:  # still being written
+                err = f"{type(e).__name__}: {e}"
+                time.sleep(5)
+        return {"error": f"unreadable trace: {err}"}
+    finally:
+        if load is not None:
+            load.close()
+        srv.stop(dargs.stop_wait_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="ours,builtin")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup-s", type=float, default=12.0)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--wait-s", type=float, default=300)
+    p.add_argument("--out", required=True)
+    p.add_argument("--summarise", nargs="*", help="only summarise these trace files (no servers)")
+    args, rest = p.parse_known_args(argv)
+    if args.summarise:
+        print(json.dumps({f: summarise_trace(Path(f), args.steps) for f in args.summarise}, indent=1))
+        return 0
+    dargs = driver.parser().parse_args(rest + ["--out", args.out])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for method in args.methods.split(","):
+        results[method] = profile_method(args, dargs, method, out)
+        (out / "profile_summary.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "profile_summary.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
