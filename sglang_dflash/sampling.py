@@ -67,23 +67,27 @@ class SamplingTensors:
                                                                    self.min_p)))
 
 
-def processed_probs(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
-    """[N, V] logits -> [N, V] float32 probabilities of the processed distribution (rows of s apply per row)."""
+def processed_probs(logits: torch.Tensor, s: SamplingTensors, filtered: bool = True) -> torch.Tensor:
+    """[N, V] logits -> [N, V] float32 probabilities of the processed distribution (rows of s apply per row).
+
+    filtered=False is a promise from the caller that no row uses top-k, top-p or min-p (all at their neutral
+    values): the full-vocabulary sort is then skipped. No host synchronisation either way."""
     logits = logits.float()
     greedy = s.temperature == 0
     temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop = (rank >= s.top_k[:, None]) | (mass_before > s.top_p[:, None]) | (sorted_p < s.min_p[:, None] * sorted_p[:, :1])
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    if greedy.any():
-        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), probs.shape[-1]).float()
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    if filtered:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop = ((rank >= s.top_k[:, None]) | (mass_before > s.top_p[:, None])
+                | (sorted_p < s.min_p[:, None] * sorted_p[:, :1]))
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    # greedy rows become a point mass on the argmax: zero them, then add 1 at the argmax (0 on sampled rows)
+    probs = probs.masked_fill(greedy[:, None], 0.0)
+    return probs.scatter_add_(-1, logits.argmax(dim=-1, keepdim=True), greedy[:, None].to(probs.dtype))
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -49,6 +49,22 @@ def test_processed_probs_filters():
     torch.testing.assert_close(hot, torch.softmax(logits / 0.5, -1))
 
 
+def test_unfiltered_fast_path_equals_the_full_rule_when_filters_are_neutral():
+    """The worker skips the vocabulary sort when SGLang says no row filters; that must not change the distribution,
+    greedy rows (temperature 0) included, which stay exact point masses on the first maximal index."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=g) * 2
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # an exact tie: the first index wins
+    temps = [0.0, 1.0, 0.0, 0.7, 1.3, 0.0]
+    s = SamplingTensors.from_params([SamplingParams(temperature=t) for t in temps], 40)
+    fast, full = processed_probs(logits, s, filtered=False), processed_probs(logits, s)
+    torch.testing.assert_close(fast, full)
+    for i, t in enumerate(temps):
+        if t == 0:
+            assert fast[i].tolist() == torch.nn.functional.one_hot(logits[i].argmax(), 40).float().tolist()
+    assert fast[2, 7] == 1.0
+
+
 def test_sample_from_probs_matches_distribution():
     p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     n = 40_000

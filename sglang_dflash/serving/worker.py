@@ -142,10 +142,8 @@ class DFlashWorker(BaseSpecWorker):
         if features is None:
             raise RuntimeError("target prefill returned no captured hidden states; the target model's DFLASH "
                                "capture is not configured (set_dflash_layers_to_capture was not called)")
-        # Positions of the extended tokens, from host-side lengths the scheduler already has (no device sync).
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(batch.prefix_lens, batch.extend_lens)])
-        self.draft_model.write_context_kv(features, pos.to(self.device, non_blocking=True), batch.out_cache_loc,
-                                          self.draft_runner.token_to_kv_pool)
+        pos = _extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
+        self.draft_model.write_context_kv(features, pos, batch.out_cache_loc, self.draft_runner.token_to_kv_pool)
         out.logits_output.hidden_states = None  # never ship [N, K*H] to the host
         out.new_seq_lens = batch.seq_lens
         if on_publish is not None:
@@ -267,8 +265,21 @@ class DFlashWorker(BaseSpecWorker):
         s = SamplingTensors(temperature=info.temperatures.reshape(-1).float(),
                             top_k=info.top_ks.reshape(-1).to(torch.int64).clamp(max=V),
                             top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
-        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B)).view(bs, B, V)
+        # SGLang's host-side flags say whether any row filters (greedy rows, top_k = 1, count as filtering)
+        filtered = bool(info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling)
+        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B), filtered).view(bs, B, V)
         return verify_sampled(drafts, probs)
+
+
+def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
+    """Positions of a prefill's extended tokens, request after request, built on the device from two [bs] lists.
+
+    A host-built [tokens] tensor would be a pageable copy as large as the prefill, which stalls the stream (and
+    with it overlap scheduling); this copies 2 x bs ints and expands them with no host synchronisation."""
+    total = int(sum(extend_lens))
+    lens = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+    first = torch.tensor(prefix_lens, dtype=torch.int64, device=device) - (torch.cumsum(lens, 0) - lens)
+    return torch.repeat_interleave(first, lens, output_size=total) + torch.arange(total, device=device)
 
 
 def _lm_head_weight(model) -> torch.Tensor:
