@@ -5,8 +5,8 @@ speculation, greedy, at c=1 and c=32; SGLang's builtin DFLASH on the same pair a
     python -m benchmarks.gpu_e2e --target T --draft D --out DIR [--methods none,ours,builtin]
 
 Every output is compared token for token with the no-speculation server at the same concurrency. A divergence is
-excused only where the speculative token is the baseline's runner-up and the baseline's top-2 logprobs at that
-position are within --tie-tol (a tie up to rounding, reported as such); any other divergence is a failure and the
+excused only where, in a fresh baseline forward at that position, the speculative token's logprob is within
+--tie-tol of the best token's (a tie up to rounding, reported as such); any other divergence is a failure and the
 exit code is 1. The baseline is also compared with itself (one at a time vs batched), which shows the size of the
 plain server's own batch-shape noise. Sampled requests (T=1, no filters) must complete with valid tokens.
 """
@@ -45,17 +45,19 @@ def run_prompts(server, prompts, max_new, concurrency):
         return list(pool.map(lambda p: generate(server, p, max_new), prompts))
 
 
-def top2(server, ids: list[int]) -> tuple[list[int], float]:
-    """The baseline's two most likely next tokens after ids, and their logprob gap."""
-    out = post(server.url + "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+def top_logprobs(server, ids: list[int], k: int = 5) -> list[tuple[int, float]]:
+    """The baseline's k most likely next tokens after ids, as (token id, logprob), best first."""
+    out = post(server.url + "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": k,
                                           "sampling_params": {"temperature": 0, "max_new_tokens": 1}})
-    top = out["meta_info"]["output_top_logprobs"][0]  # [[logprob, token_id, text], ...]
-    return [int(top[0][1]), int(top[1][1])], abs(top[0][0] - top[1][0])
+    return [(int(t[1]), float(t[0])) for t in out["meta_info"]["output_top_logprobs"][0]]  # [logprob, id, text]
 
 
 def compare(base_server, prompts, base, spec, tie_tol):
-    """First divergence per prompt. Excused (a tie) only if the other run's token is the baseline's runner-up and the
-    top-2 logprob gap is <= tie_tol; anything else is a failure."""
+    """First divergence per prompt. Excused (a tie) only if, in a fresh baseline forward at that position, the
+    speculative token's logprob is within tie_tol of the best one; anything else is a failure.
+
+    (Not "the speculative token is the runner-up": in bf16 the plain server does not even agree with itself on
+    that across batch shapes when three candidates are that close; see baseline_c1_vs_c32 in the H100 results.)"""
     report = {"identical": 0, "ties": [], "failures": []}
     for p, b, s in zip(prompts, base, spec):
         b_ids, s_ids = b["output_ids"], s["output_ids"]
@@ -66,10 +68,13 @@ def compare(base_server, prompts, base, spec, tie_tol):
         if i is None:
             report["failures"].append({"prompt_len": len(p), "reason": f"lengths {len(b_ids)} vs {len(s_ids)}"})
             continue
-        (first, second), gap = top2(base_server, p + b_ids[:i])
-        entry = {"prompt_len": len(p), "position": i, "base": b_ids[i], "spec": s_ids[i], "top2_gap": gap,
-                 "spec_is_runner_up": s_ids[i] == second and b_ids[i] == first}
-        (report["ties"] if gap <= tie_tol and entry["spec_is_runner_up"] else report["failures"]).append(entry)
+        top = top_logprobs(base_server, p + b_ids[:i])
+        lp = dict(top)
+        gap = top[0][1] - lp[s_ids[i]] if s_ids[i] in lp else float("inf")
+        entry = {"prompt_len": len(p), "position": i, "base": b_ids[i], "spec": s_ids[i], "spec_gap": gap,
+                 "top2_gap": top[0][1] - top[1][1], "spec_rank": [t for t, _ in top].index(s_ids[i])
+                 if s_ids[i] in lp else None}
+        (report["ties"] if gap <= tie_tol else report["failures"]).append(entry)
     return report
 
 

@@ -281,3 +281,20 @@ def test_profile_summary_of_a_synthetic_trace(tmp_path):
     assert s["phases"]["dflash.verify"] == {"n": 1, "cpu_ms_mean": 0.35, "gpu_ms_mean": 0.3}
     assert [k["name"] for k in s["top_kernels"]] == ["gemm", "attn"]
     assert "| ours |" in profile_step.markdown({"ours": s})
+
+
+def test_gpu_e2e_compare_excuses_only_near_ties(monkeypatch):
+    """A divergence is excused only when the speculative token scores within the tolerance of the best token in
+    the baseline at that position; a worse token, or one outside the baseline's top list, fails; so do lengths."""
+    from benchmarks import gpu_e2e
+
+    monkeypatch.setattr(gpu_e2e, "top_logprobs", lambda server, ids, k=5: [(7, -0.50), (8, -0.52), (9, -3.0)])
+    base = [{"output_ids": [1, 7, 3]}, {"output_ids": [1, 7]}, {"output_ids": [1, 7]}, {"output_ids": [1, 7]},
+            {"output_ids": [5]}]
+    spec = [{"output_ids": [1, 8, 4]}, {"output_ids": [1, 9]}, {"output_ids": [1, 4]}, {"output_ids": [1, 7]},
+            {"output_ids": [5, 6]}]
+    r = gpu_e2e.compare(None, [[0]] * 5, base, spec, tie_tol=0.05)
+    assert r["identical"] == 1
+    assert [(t["spec"], t["spec_rank"], round(t["spec_gap"], 2)) for t in r["ties"]] == [(8, 1, 0.02)]
+    assert [f.get("spec") for f in r["failures"]] == [9, 4, None]
+    assert r["failures"][1]["spec_rank"] is None and r["failures"][2]["reason"] == "lengths 1 vs 2"
