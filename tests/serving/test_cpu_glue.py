@@ -57,3 +57,25 @@ def test_unapplied_sampling_controls():
                                       custom_logit_processor="x")
     assert bad == ["frequency_penalty=0.5", "presence_penalty=-0.2", "repetition_penalty=1.1", "min_new_tokens=3",
                    "regex='a+'", "custom_logit_processor"]
+
+
+def test_draft_forward_declares_no_input_embeds():
+    """SGLang 0.5.17's decode graph runner captures a DFLASH draft model whose forward declares `input_embeds` with a
+    static embeds buffer, refilled at replay only when the batch carries embeds (ours never does). Such a graph
+    drafts from stale embeddings: still lossless, but acceptance collapses on GPU, where CPU tests cannot see it.
+    Our forward therefore embeds input_ids itself and must not declare the parameter."""
+    import inspect
+
+    pytest.importorskip("sglang")
+    from sglang_dflash.serving.draft_model import DFlashDraftModel
+
+    assert "input_embeds" not in inspect.signature(DFlashDraftModel.forward).parameters
+
+
+def test_extend_positions_per_request():
+    pytest.importorskip("sglang")
+    from sglang_dflash.serving.worker import _extend_positions
+
+    # three requests: a fresh prompt of 3, a radix hit of 5 extended by 2, a chunk continuing at 2 with 4 tokens
+    assert _extend_positions([0, 5, 2], [3, 2, 4], "cpu").tolist() == [0, 1, 2, 5, 6, 2, 3, 4, 5]
+    assert _extend_positions([7], [1], "cpu").tolist() == [7]
