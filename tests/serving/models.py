@@ -16,51 +16,41 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 4, hi: int = 24) -> 
     return [[rng.randrange(VOCAB_SPECIALS, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def build_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, dict]:
-    """A float32 tiny Qwen3 target with peaky logits and a drafter trained on its greedy continuations."""
+def _build(root: Path, name: str, make_info, train_steps: int = 0, **target_kw) -> tuple[Path, Path, dict]:
+    """Target + drafter checkpoint dirs under root (cached: info.json marks a finished build) and the stub libcuda."""
     from sglang_dflash.serving.cpu_support import build_stub_libcuda, save_drafter_dir, save_tiny_target
     from sglang_dflash.tiny import tiny_drafter
     from sglang_dflash.train.trainer import greedy_continuations, train_drafter
 
-    target_dir, draft_dir, stub = root / "target", root / "draft", root / "stub"
-    info_file = root / "info.json"
-    build_stub_libcuda(stub)
+    target_dir, draft_dir = root / f"{name}target", root / f"{name}draft"
+    info_file = root / f"{name}info.json"
+    build_stub_libcuda(root / "stub")
     if info_file.is_file():
         return target_dir, draft_dir, json.loads(info_file.read_text())
     torch.manual_seed(0)
-    target = save_tiny_target(target_dir, peak=8.0)
-    vocab = target.config.vocab_size
+    target = save_tiny_target(target_dir, peak=8.0, **target_kw)
     drafter = tiny_drafter(target.config, mask_token_id=4, num_layers=1, block_size=16)
     losses = []
     if train_steps:
-        seqs = greedy_continuations(target, random_prompts(48, vocab, seed=123), max_new_tokens=64)
+        seqs = greedy_continuations(target, random_prompts(48, target.config.vocab_size, seed=123), max_new_tokens=64)
         losses = train_drafter(drafter, target, seqs, steps=train_steps, lr=3e-3, progress=False)
     save_drafter_dir(drafter, target_dir, draft_dir)
-    info = {"vocab": vocab, "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    info = make_info(target, drafter, losses)
     info_file.write_text(json.dumps(info))
     return target_dir, draft_dir, info
+
+
+def build_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, dict]:
+    """A float32 tiny Qwen3 target with peaky logits and a drafter trained on its greedy continuations."""
+    return _build(root, "", lambda target, drafter, losses: {
+        "vocab": target.config.vocab_size, "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None}, train_steps=train_steps)
 
 
 def build_gemma3_pair(root: Path) -> tuple[Path, Path, dict]:
     """A float32 tiny Gemma-3 target (tied embeddings: SGLang 0.5.17's Gemma3ForCausalLM always computes logits
     with embed_tokens) and an untrained drafter whose config carries input_embedding_scale = sqrt(hidden), as
     tiny_drafter_config sets it for Gemma targets. Used for greedy equality only (acceptance is not the point)."""
-    import json as _json
-
-    from sglang_dflash.serving.cpu_support import build_stub_libcuda, save_drafter_dir, save_tiny_target
-    from sglang_dflash.tiny import tiny_drafter
-
-    target_dir, draft_dir, stub = root / "gemma3_target", root / "gemma3_draft", root / "stub"
-    info_file = root / "gemma3_info.json"
-    build_stub_libcuda(stub)
-    if info_file.is_file():
-        return target_dir, draft_dir, _json.loads(info_file.read_text())
-    torch.manual_seed(0)
-    target = save_tiny_target(target_dir, arch="gemma3", peak=8.0, tie_word_embeddings=True)
-    drafter = tiny_drafter(target.config, mask_token_id=4, num_layers=1, block_size=16)
-    save_drafter_dir(drafter, target_dir, draft_dir)
-    scale = drafter.config.input_embedding_scale
-    info = {"vocab": target.config.vocab_size, "input_embedding_scale": scale,
-            "model_type": target.config.model_type}
-    info_file.write_text(_json.dumps(info))
-    return target_dir, draft_dir, info
+    return _build(root, "gemma3_", lambda target, drafter, losses: {
+        "vocab": target.config.vocab_size, "input_embedding_scale": drafter.config.input_embedding_scale,
+        "model_type": target.config.model_type}, arch="gemma3", tie_word_embeddings=True)
