@@ -30,7 +30,7 @@ from .models import random_prompts  # noqa: E402
 PORT = 30003
 CHUNK = 16
 KV_TOKENS = 320
-CONSERVATIVENESS = "0.3"  # admit more eagerly than the default 1.0, so running requests must be retracted
+CONSERVATIVENESS = "0.1"  # admit far more eagerly than the default 1.0, so running requests must be retracted
 MAX_TOKENS = 48
 RETRACT_LOG = "Retract requests"
 
@@ -68,11 +68,17 @@ def test_chunked_prefill_equality(servers):
 
 def test_retraction_equality(servers):
     spec = servers["spec"]
-    prompts = random_prompts(18, servers["vocab"], seed=11, lo=20, hi=60)
-    before = log_count(spec, RETRACT_LOG)
-    ties = _compare(servers, prompts, max_workers=36)
-    assert ties <= 2
-    retracted = log_count(spec, RETRACT_LOG) - before
+    # Whether the scheduler retracts depends on how the concurrent requests happen to be admitted (seen: 2 runs in 3
+    # with one round at conservativeness 0.3), so storms of 18 requests are sent until one retracts, at most 3;
+    # every storm's outputs must equal the baseline's.
+    before, retracted = log_count(spec, RETRACT_LOG), 0
+    for seed in (11, 13, 17):
+        prompts = random_prompts(18, servers["vocab"], seed=seed, lo=20, hi=60)
+        ties = _compare(servers, prompts, max_workers=36)
+        assert ties <= 2
+        retracted = log_count(spec, RETRACT_LOG) - before
+        if retracted:
+            break
     assert retracted >= 1, f"the scheduler never retracted (no {RETRACT_LOG!r} in {spec.log_path}): KV pool too big"
     # everything came back: a request after the storm is served and still equal
     p = random_prompts(1, servers["vocab"], seed=12)[0]
