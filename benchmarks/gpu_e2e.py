@@ -142,13 +142,13 @@ def main(argv=None) -> int:
         target, draft = build_tiny(args.build_tiny)
     else:
         target, draft = Path(args.target), Path(args.draft)
+    vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
     if args.chat:
         prompts = chat_prompts(target, args.prompts)
     else:
-        vocab = args.vocab or json.loads((target / "config.json").read_text())["vocab_size"]
         rng = random.Random(7)
-        prompts = [[rng.randrange(5, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(args.prompts)]
-    vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
+        prompts = [[rng.randrange(5, args.vocab or vocab_size) for _ in range(rng.randrange(8, 64))]
+                   for _ in range(args.prompts)]
     base_args = args.server_args.split()
     spec_args = base_args + ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
                              "--speculative-num-draft-tokens", "16",

@@ -50,11 +50,9 @@ def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
 class Load:
     """``n`` closed-loop clients that keep requests in decode until stopped."""
 
-    def __init__(self, url: str, n: int, prompt_len: int, max_new: int, vocab: int, seed: int = 0):
+    def __init__(self, url: str, n: int, prompt_len: int, max_new: int, vocab: int):
         self.url, self.n, self.prompt_len, self.max_new, self.vocab = url, n, prompt_len, max_new, vocab
         self.stop = threading.Event()
-        self.rng = random.Random(seed)
-        self.done = 0
         self.pool = cf.ThreadPoolExecutor(n)
         self.futures = []
 
@@ -65,7 +63,6 @@ class Load:
             try:
                 _post(self.url + "/generate", {"input_ids": ids, "sampling_params": {
                     "temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}})
-                self.done += 1
             except Exception:
                 if self.stop.is_set():
                     return
