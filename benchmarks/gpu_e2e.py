@@ -2,7 +2,9 @@
 speculation, greedy, at c=1 and c=32; SGLang's builtin DFLASH on the same pair as a cross-check.
 
     python -m benchmarks.gpu_e2e --build-tiny /tmp/tiny-pair --out $OUT/e2e          # build + run the tiny pair
-    python -m benchmarks.gpu_e2e --target T --draft D --out DIR [--methods none,ours,builtin]
+    python -m benchmarks.gpu_e2e --target T --draft D --out DIR [--methods ours,builtin,ours@fa4]
+
+A method is `ours` or `builtin`, optionally `@BACKEND` for the draft attention backend (default triton).
 
 Every output is compared token for token with the no-speculation server at the same concurrency. A divergence is
 excused only where, in a fresh baseline forward at that position, the speculative token's logprob is within
@@ -89,12 +91,12 @@ def chat_prompts(target: Path, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from benchmarks import prompts as prompt_sets
-    from sglang_dflash.smollm2 import chat_ids
+    from sglang_dflash.gguf_wheels import prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(target))
     sets = list(prompt_sets.load().values())
     texts = [s[i]["turns"][0] for i in range(n) for s in sets if i < len(s)][:n]
-    return [chat_ids(tok, t) for t in texts]
+    return [prompt_ids(tok, t) for t in texts]
 
 
 def build_tiny(root: Path) -> tuple[Path, Path]:
@@ -151,8 +153,7 @@ def main(argv=None) -> int:
                    for _ in range(args.prompts)]
     base_args = args.server_args.split()
     spec_args = base_args + ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
-                             "--speculative-num-draft-tokens", "16",
-                             "--speculative-draft-attention-backend", "triton"]
+                             "--speculative-num-draft-tokens", "16"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     summary = {"target": str(target), "draft": str(draft), "server_args": args.server_args,
                "tie_tol": args.tie_tol, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "methods": {}}
@@ -172,11 +173,14 @@ def main(argv=None) -> int:
         # SGLang's plain server against itself (the same 8 prompts one at a time vs in a batch of 32): its own
         # batch-shape noise floor, reported next to the speculative runs so their tie gaps can be read against it
         summary["baseline_c1_vs_c32"] = compare(base, prompts[:8], base_c1, base_c32[:8], args.tie_tol)
-        for method in [m for m in args.methods.split(",") if m]:
+        for item in [m for m in args.methods.split(",") if m]:
+            method, _, backend = item.partition("@")
+            name = f"{method}_{backend}" if backend else method
             menv = dict(env, **({WORKER_ENV: "builtin"} if method == "builtin" else {}))
             if method != "builtin":
                 menv.pop(WORKER_ENV, None)
-            server = launch_server(target, 30000, args.out / f"{method}.log", spec_args, menv)
+            server = launch_server(target, 30000, args.out / f"{name}.log",
+                                   spec_args + ["--speculative-draft-attention-backend", backend or "triton"], menv)
             t0 = time.time()
             try:
                 server.wait_healthy(args.wait_s)
@@ -196,7 +200,7 @@ def main(argv=None) -> int:
                        "accept_length_c1": accept_length(c1), "accept_length_c32": accept_length(c32),
                        "c32_greedy_wall_s": round(t1 - t32, 2),
                        "sampled_T1_ok": sampled_ok, "sampled_T1_wall_s": round(time.time() - t1, 2)}
-                log = (args.out / f"{method}.log").read_text(errors="replace")
+                log = (args.out / f"{name}.log").read_text(errors="replace")
                 res["our_worker_logged"] = "sglang_dflash.serving.worker.DFlashWorker" in log
                 res["cuda_graph_logged"] = "cuda graph" in log.lower()
             except Exception as e:
@@ -205,8 +209,8 @@ def main(argv=None) -> int:
                 server.stop()
             failures = len(res.get("c1", {}).get("failures", [1])) + len(res.get("c32", {}).get("failures", [1]))
             ok &= (failures == 0 and res.get("sampled_T1_ok", False)) if method == "ours" else True
-            summary["methods"][method] = res
-            print(f"[gpu_e2e] {method}: {json.dumps(res)[:2000]}", flush=True)
+            summary["methods"][name] = res
+            print(f"[gpu_e2e] {name}: {json.dumps(res)[:2000]}", flush=True)
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))  # partial results survive a cut
     finally:
         base.stop()

