@@ -115,8 +115,10 @@ def save_tiny_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: int 
     return model
 
 
-def save_drafter_dir(drafter, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> None:
-    """Write a drafter (sglang_dflash.drafter.DFlashDrafter) in the published layout, with the target's tokenizer."""
+def save_drafter_dir(drafter, target_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
+                     mask_token: str | None = "<|mask|>") -> None:
+    """Write a drafter (sglang_dflash.drafter.DFlashDrafter) in the published layout, with the target's tokenizer.
+    mask_token: the name written next to mask_token_id (the tiny tokenizers' "<|mask|>"; None: id only)."""
     import shutil
 
     import torch
@@ -126,7 +128,8 @@ def save_drafter_dir(drafter, target_dir: str | Path, out_dir: str | Path, dtype
     out = Path(out_dir)
     save_drafter(drafter, out, dtype=getattr(torch, dtype))
     cfg = json.loads((out / "config.json").read_text())
-    cfg["dflash_config"]["mask_token"] = "<|mask|>"
+    if mask_token:
+        cfg["dflash_config"]["mask_token"] = mask_token
     cfg["torch_dtype"] = cfg["dtype"] = dtype
     cfg.setdefault("rope_theta", 10000.0)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
