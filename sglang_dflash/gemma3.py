@@ -10,7 +10,7 @@ Gemma's SentencePiece-BPE vocabulary into a Unigram model whose scores are reall
 A BPE model with merges ranked by those scores (byte fallback, user-defined pieces such as "\\n" and runs of spaces
 matched first, <bos> prepended) reproduces the real segmentation ("<bos>", "The", "▁capital", ...).
 
-The GGUF carries no chat template (a base model); prompts are "Question: ...\nAnswer:" (CHAT_TEMPLATE says why),
+The GGUF carries no chat template (a base model); prompts are "Question: ...\\nAnswer:" (CHAT_TEMPLATE says why),
 and generation stops at <eos> (or <end_of_turn>) or at the length limit.
 """
 

@@ -83,9 +83,16 @@ def reference_tau(target_model, prompts, max_new_tokens, stop_ids) -> dict:
     from sglang_dflash.train.evaluate import measure_tau
 
     drafter = load_drafter(ASSET, device="cpu", dtype=torch.float32, target_config=target_model.config)
-    with torch.inference_mode():
-        return measure_tau(target_model, drafter, prompts, max_new_tokens, stop_token_ids=tuple(stop_ids),
-                           check_greedy=False)
+    # One thread: the shared baseline server of tests/serving busy-polls a core, and a 2-thread matmul that waits on
+    # its busy second thread ran ~10x slower in CI (the whole reference run took 10 min instead of 1).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            return measure_tau(target_model, drafter, prompts, max_new_tokens, stop_token_ids=tuple(stop_ids),
+                               check_greedy=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_smollm2_shipped_drafter_equality_and_tau(dflash_pair):
