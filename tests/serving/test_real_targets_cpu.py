@@ -45,8 +45,9 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def run_pair(root: Path, name: str, target: Path, draft: Path, ports: tuple[int, int], prompts, max_new_tokens: int,
              ignore_eos: bool = False, timeout_s: float = 300.0):
-    """Both servers (plain, ours with overlap), every prompt sent at once to each; returns (base, spec) answers and
-    the servers' logs. The servers are stopped before returning."""
+    """Both servers (plain, ours with overlap), every prompt sent at once to each, greedy outputs checked (ties
+    excused); returns (base answers, ours answers, one T=1 answer of ours, ties, our server's log). Both servers
+    are stopped before returning."""
     env = cpu_server_env(root / "stub")
     base_args = CPU_SERVER_ARGS + ["--dtype", "float32"]
     spec_args = [a for a in base_args if a != "--disable-overlap-schedule"] + SPEC_ARGS + [
@@ -84,7 +85,7 @@ def reference_tau(target_model, prompts, max_new_tokens, stop_ids) -> dict:
 
     drafter = load_drafter(ASSET, device="cpu", dtype=torch.float32, target_config=target_model.config)
     # One thread: the shared baseline server of tests/serving busy-polls a core, and a 2-thread matmul that waits on
-    # its busy second thread ran ~10x slower in CI (the whole reference run took 10 min instead of 1).
+    # its busy second thread made the reference run take over 13 min in CI (killed) instead of ~1.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
