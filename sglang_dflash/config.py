@@ -249,6 +249,34 @@ class DFlashConfig:
                            head_dim=self.head_dim, **kwargs)
 
 
+def published_drafter_config(target_layers: int, *, hidden: int, inter: int, layers: int, heads: int, kv: int,
+                             head_dim: int, vocab: int, ids: list[int], mask: int, rope_theta: float, max_pos: int,
+                             block: int = 16, rms_norm_eps: float = 1e-6, input_embedding_scale: float = 1.0,
+                             layer_types: list[str] | None = None, sliding_window: int | None = None,
+                             **extra) -> dict[str, Any]:
+    """A drafter config.json dict in the published z-lab layout (Qwen3 layer stack + DFlash keys): what
+    `DFlashConfig.from_dict` and SGLang's own parser read. Used for our trained drafters and the shape presets."""
+    d = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "vocab_size": vocab, "hidden_act": "silu", "rms_norm_eps": rms_norm_eps, "attention_bias": False,
+        "rope_theta": rope_theta, "max_position_embeddings": max_pos, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "layer_types": layer_types or ["full_attention"] * layers,
+        "block_size": block, "num_target_layers": target_layers,
+        "dflash_config": {"target_layer_ids": list(ids), "mask_token_id": mask},
+    }
+    if input_embedding_scale != 1.0:
+        d["dflash_config"]["input_embedding_scale"] = input_embedding_scale
+    if sliding_window is not None:
+        d["sliding_window"] = sliding_window
+        d["use_sliding_window"] = True
+    d.update(extra)
+    return d
+
+
 def _text_config(cfg: Any) -> Any:
     sub = _get(cfg, "text_config")
     return sub if sub is not None and _get(cfg, "vocab_size") is None else cfg

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .config import published_drafter_config
 from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_dequantized, prompt_ids, write_checkpoint
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -111,39 +112,14 @@ def convert(out_dir: str | Path | None = None, force: bool = False) -> Path:
 
 
 def chat_ids(tokenizer, user_text: str) -> list[int]:
-    """<bos><start_of_turn>user\\n{text}<end_of_turn>\\n<start_of_turn>model\\n as token ids."""
+    """The "<bos>Question: {text}\\nAnswer:" prompt (CHAT_TEMPLATE) as token ids."""
     return prompt_ids(tokenizer, user_text)
 
 
 def drafter_config(num_layers: int = 3, target_layer_ids=(1, 4, 8, 11, 15), block_size: int = 16) -> dict:
     """config.json of a DFlash drafter for Gemma-3-270M in the published layout (Qwen3 field names; Gemma's
     sqrt(hidden) input scale on the block embeddings, which the target applies to its own inputs too)."""
-    hidden = 640
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": 2048,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 128,
-        "vocab_size": VOCAB_SIZE,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 32768,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * num_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "torch_dtype": "bfloat16",
-        "block_size": block_size,
-        "num_target_layers": 18,
-        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": MASK_TOKEN_ID,
-                          "input_embedding_scale": hidden ** 0.5},
-    }
-
+    return published_drafter_config(18, hidden=640, inter=2048, layers=num_layers, heads=4, kv=2, head_dim=128,
+                                    vocab=VOCAB_SIZE, ids=list(target_layer_ids), mask=MASK_TOKEN_ID,
+                                    rope_theta=1000000.0, max_pos=32768, block=block_size,
+                                    input_embedding_scale=640 ** 0.5)

