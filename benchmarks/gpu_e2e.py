@@ -86,19 +86,6 @@ def accept_length(results) -> float | None:
     return toks / steps if steps else None
 
 
-def chat_prompts(target: Path, n: int) -> list[list[int]]:
-    """First turns of the committed prompt sets, datasets interleaved, as chat-template token ids."""
-    from transformers import AutoTokenizer
-
-    from benchmarks import prompts as prompt_sets
-    from sglang_dflash.gguf_wheels import prompt_ids
-
-    tok = AutoTokenizer.from_pretrained(str(target))
-    sets = list(prompt_sets.load().values())
-    texts = [s[i]["turns"][0] for i in range(n) for s in sets if i < len(s)][:n]
-    return [prompt_ids(tok, t) for t in texts]
-
-
 def build_tiny(root: Path) -> tuple[Path, Path]:
     """A float32-capable tiny Qwen3 target (peaky logits) and a drafter trained on its greedy continuations."""
     import torch
@@ -146,7 +133,11 @@ def main(argv=None) -> int:
         target, draft = Path(args.target), Path(args.draft)
     vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
     if args.chat:
-        prompts = chat_prompts(target, args.prompts)
+        from transformers import AutoTokenizer
+
+        from benchmarks.prompts import chat_prompt_ids
+
+        prompts = chat_prompt_ids(AutoTokenizer.from_pretrained(str(target)), args.prompts)
     else:
         rng = random.Random(7)
         prompts = [[rng.randrange(5, args.vocab or vocab_size) for _ in range(rng.randrange(8, 64))]

@@ -95,6 +95,15 @@ def load(path: str | Path = DEFAULT_PATH, datasets: list[str] | None = None) -> 
     return groups
 
 
+def chat_prompt_ids(tokenizer, n: int, path: str | Path = DEFAULT_PATH) -> list[list[int]]:
+    """The first turns of the first n items, datasets interleaved, as chat-template token ids of `tokenizer`."""
+    from sglang_dflash.gguf_wheels import prompt_ids
+
+    sets = list(load(path).values())
+    texts = [s[i]["turns"][0] for i in range(n) for s in sets if i < len(s)][:n]
+    return [prompt_ids(tokenizer, t) for t in texts]
+
+
 def random_items(n: int, input_len: int, vocab_size: int, seed: int = 0, low: int = 100) -> list[dict]:
     """``n`` prompts of ``input_len`` random token ids in [low, vocab_size) -- for random-weight cost runs."""
     rng = random.Random(seed)

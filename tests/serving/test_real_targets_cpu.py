@@ -26,21 +26,14 @@ if shutil.which("gcc") is None:
 
 from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
+from benchmarks.prompts import chat_prompt_ids  # noqa: E402
+
 from .compare import SPEC_ARGS, assert_equal_or_tie, generate, wait_all_healthy  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[2] / "sglang_dflash" / "assets" / "SmolLM2-135M-Instruct-DFlash-b16"
 # Same weights, same greedy outputs: the server's acceptance must match the reference engine's up to float32 noise
 # in the drafter's argmax (a rare near-tie can flip one accept). A wrong context K/V costs far more than this.
 TAU_TOL = 0.05
-
-
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    from benchmarks import prompts as prompt_sets
-    from sglang_dflash.gguf_wheels import prompt_ids
-
-    sets = list(prompt_sets.load().values())
-    texts = [s[i]["turns"][0] for i in range(n) for s in sets if i < len(s)][:n]
-    return [prompt_ids(tokenizer, t) for t in texts]
 
 
 def run_pair(root: Path, name: str, target: Path, draft: Path, ports: tuple[int, int], prompts, max_new_tokens: int,
@@ -105,7 +98,7 @@ def test_smollm2_shipped_drafter_equality_and_tau(dflash_pair):
         pytest.skip(f"SmolLM2 GGUF not installed: {e}")
     root = dflash_pair[0]
     target = smollm2.convert()  # cached: ~20 s once
-    prompts = chat_prompts(smollm2.load_tokenizer(target), 8)
+    prompts = chat_prompt_ids(smollm2.load_tokenizer(target), 8)
     base, spec, sampled, ties, log = run_pair(root, "smollm2", target, ASSET, (30006, 30007), prompts, 64)
     assert "sglang-dflash worker ready" in log, "not our worker"
     assert ties <= 1, f"{ties} of {len(prompts)} prompts diverged at float32 ties"
@@ -140,7 +133,7 @@ def test_gemma3_real_weights_equality(dflash_pair):
     tok = gemma3.load_tokenizer(target)
     # long prompts (four benchmark questions each, 341-456 tokens) + 120 new tokens (ignore_eos) cross the
     # 512-token window. Slow on 2 cores: a 16-token verify through the 262k-token lm_head takes ~2 s per step
-    texts = chat_prompts(tok, 16)
+    texts = chat_prompt_ids(tok, 16)
     prompts = [texts[i] + [t for q in texts[i + 1: i + 4] for t in q[1:]] for i in range(0, 16, 4)]
     base, spec, sampled, ties, log = run_pair(root, "gemma3_real", target, draft, (30008, 30009), prompts, 120,
                                               ignore_eos=True, timeout_s=900.0)
