@@ -12,6 +12,9 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   run only when the plugin is importable and registered as an ``sglang.srt.plugins`` entry point, and its numbers
   are kept only when the server log shows that our worker was used (``--ours-log-marker``); otherwise the method is
   recorded as skipped with the reason, so builtin numbers can never appear under our name.
+- ``ours-fixed``: ours with adaptive speculation off (every step verifies the full block, as the builtin does);
+- ``ours-k<N>``: ours with the verify width pinned to N drafts per step (``ours-k0``: plain decode steps through
+  our worker), to measure each width the adaptive policy chooses from.
 
 Every server gets identical arguments (``--common-args``, plus the speculative ones for builtin/ours), is started
 in its own session (setsid) with its PID recorded, polled on ``/health`` for at most ``--wait-s`` seconds while
@@ -114,7 +117,20 @@ class Server:
             return ""
 
 
+def method_variant(method: str) -> tuple[str, dict]:
+    """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls."""
+    if method == "ours-fixed":
+        return "ours", {"SGLANG_DFLASH_ADAPTIVE": "0"}
+    m = re.fullmatch(r"ours-k(\d+)", method)
+    if m:
+        return "ours", {"SGLANG_DFLASH_K": m.group(1)}
+    if method in ("none", "builtin", "ours"):
+        return method, {}
+    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed or ours-k<N>")
+
+
 def server_argv(args, method: str) -> list[str]:
+    method = method_variant(method)[0]
     argv = [args.python, "-m", "sglang.launch_server", "--model-path", args.target, "--host", args.host,
             "--port", str(args.port)] + shlex.split(args.common_args)
     if args.dummy:
@@ -129,7 +145,9 @@ def server_argv(args, method: str) -> list[str]:
 
 
 def server_env(args, method: str) -> dict:
+    method, extra = method_variant(method)
     env = dict(os.environ)
+    env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     var, _, val = args.worker_env.partition("=")
     if method == "builtin":
@@ -161,7 +179,8 @@ def write_skip(out: Path, method: str, reason: str, extra: dict | None = None) -
 
 
 def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info: dict) -> None:
-    if method == "ours":
+    base = method_variant(method)[0]
+    if base == "ours":
         ok, why = ours_available(args.python)
         if not ok:
             write_skip(out, method, why)
@@ -170,7 +189,8 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
     argv = server_argv(args, method)
     env = server_env(args, method)
     var = args.worker_env.partition("=")[0]
-    shown_env = f"{var}={env[var]} " if var in env else (f"(unset {var}) " if method == "ours" else "")
+    shown_env = f"{var}={env[var]} " if var in env else (f"(unset {var}) " if base == "ours" else "")
+    shown_env += "".join(f"{k}={v} " for k, v in method_variant(method)[1].items())
     cmd = shown_env + " ".join(map(shlex.quote, argv))
     driver_info["server_commands"][method] = cmd
     srv = Server(argv, env, out / f"{method}.server.log", f"http://{args.host}:{args.port}")
@@ -184,7 +204,7 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
         if not ok:
             write_skip(out, method, f"{why}; log tail:\n{srv.log_tail()}", {"server_command": cmd})
             return
-        if method == "ours" and not re.search(args.ours_log_marker, srv.log.read_text(errors="replace")):
+        if base == "ours" and not re.search(args.ours_log_marker, srv.log.read_text(errors="replace")):
             write_skip(out, method, f"server came up but its log has no line matching --ours-log-marker "
                        f"{args.ours_log_marker!r}, so it may be SGLang's builtin worker; not reported as ours",
                        {"server_command": cmd})

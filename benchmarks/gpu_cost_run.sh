@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# The command behind benchmarks/results/qwen3-8b-random-cost: none vs SGLang's builtin DFLASH (vs ours, when its
-# plugin is installed) on exact-shape random Qwen3-8B + Qwen3-8B-DFlash-b16 weights, c = 1..128, greedy.
-# Run on the lent GPU machine from the repo root, carrying .devstack/part1 (shared/device-stack/README.md):
-#   run(kind="nvidia-h100-x1", carry=[".devstack/part1"], timeout_s=600, command="bash benchmarks/gpu_cost_run.sh")
-# Results: $OUT/run.tar.gz (all JSON, greedy outputs, server logs) and $OUT/summary.md; make the plots on any
-# machine with matplotlib: python -m benchmarks.report DIR
+# Step cost / throughput of the methods side by side on exact-shape random weights (acceptance ~1), c = 1..128,
+# greedy. The command behind benchmarks/results/{qwen3-8b-random-cost*,adaptive-*,fastpath-*}.
+# Run on the lent GPU machine from the repo root, after the device stack is installed (shared/device-stack;
+# benchmarks/gpu_env.sh sources it and registers our plugin):
+#   SHAPE=qwen3-8b METHODS=none,ours,ours-fixed CONCURRENCY=1,8,32,64,128 RUN=/tmp/run8b bash benchmarks/gpu_cost_run.sh
+# Methods (benchmarks/driver.py): none, builtin, ours (adaptive), ours-fixed (full block every step), ours-k<N>.
+# RUN accumulates across calls while the machine stays warm (one report over every method run so far).
+# Results: $OUT/<name>.tar.gz (JSON, greedy outputs, server logs) and $OUT/summary.md, also when the call's
+# deadline (DEADLINE_S, default 560) stops the driver early. COMMON_ARGS replaces the driver's launch_server
+# arguments for every method (default: benchmarks/driver.py DEFAULT_COMMON).
 set -uo pipefail
-eval "$(bash .devstack/part1/install.sh)" || exit 1
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh || exit 1
 RUN=${RUN:-/tmp/bench-run}
 SHAPE=${SHAPE:-qwen3-8b}
-python3 -m sglang_dflash.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
-python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" --draft "/tmp/shape-$SHAPE/draft" --dummy \
-  --methods "${METHODS:-none,builtin,ours}" --out "$RUN" --wait-s "${WAIT_S:-300}" \
-  --title "$SHAPE-shaped random weights: step cost" -- \
+[ -d "/tmp/shape-$SHAPE" ] || python3 -m sglang_dflash.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
+timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" \
+  --draft "/tmp/shape-$SHAPE/draft" --dummy --methods "${METHODS:-none,builtin,ours}" --out "$RUN" \
+  --wait-s "${WAIT_S:-300}" ${COMMON_ARGS:+--common-args "$COMMON_ARGS"} --title "$SHAPE-shaped random weights: step cost" ${DRIVER_ARGS:-} -- \
   --datasets random --temperatures 0 --concurrency "${CONCURRENCY:-1,8,32,64,128}" --max-new-tokens 256 \
-  --ignore-eos --random-input-len 128 --random-vocab 151000 --rounds 2 --min-convs 4 --no-progress
+  --ignore-eos --random-input-len 128 --random-vocab "${RANDOM_VOCAB:-151000}" --rounds "${ROUNDS:-2}" \
+  --min-convs 4 --no-progress
 rc=$?
+python3 -m benchmarks.report "$RUN" --title "$SHAPE-shaped random weights: step cost" >/dev/null 2>&1
 if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/run.tar.gz" -C "$RUN" . && cp "$RUN/summary.md" "$OUT/" 2>/dev/null
+  tar czf "$OUT/${TAR_NAME:-run}.tar.gz" -C "$RUN" . && cp "$RUN/summary.md" "$OUT/" 2>/dev/null
+  cat "$RUN/summary.md" 2>/dev/null
 fi
 exit $rc

@@ -12,6 +12,8 @@ mkdir -p "$_di" /tmp/ours
 printf 'Metadata-Version: 2.1\nName: sglang-dflash\nVersion: 0.1.0\n' > "$_di/METADATA"
 printf '[sglang.srt.plugins]\ndflash = sglang_dflash.serving.plugin:register\n' > "$_di/entry_points.txt"
 ln -sfn "$PWD/sglang_dflash" /tmp/ours/sglang_dflash
+# kernels/ ships as sglang_dflash.kernels only through the installed package's package-dir mapping
+ln -sfn "$PWD/kernels" "$PWD/sglang_dflash/kernels"
 export PYTHONPATH="/tmp/ours:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 # SGLang's fa4 attention (its vendored flash_attn.cute) needs the CUTLASS DSL: staged by `gpu_stage.sh fa4`
 if [ -d /tmp/fa4/site/quack ]; then

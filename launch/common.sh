@@ -4,6 +4,8 @@
 #   NAME          preset name (also the sglang_dflash.shapes name for --dummy)
 #   TARGET        default target (HF id or directory; the TARGET_PATH env var overrides)
 #   DRAFT         default DFlash drafter (the DRAFT_PATH env var overrides)
+#   PREPARE       optional: Python code that creates the default TARGET when it is missing (run once, not on
+#                 --dry-run, not when TARGET_PATH is set)
 #   COMMON_ARGS   launch_server arguments for every method (array)
 #   SPEC_ARGS     extra arguments for the speculative methods (array)
 #   BUILTIN_OK    0 when SGLang's builtin DFLASH cannot serve this target (default 1)
@@ -17,6 +19,10 @@
 #                                `python -m sglang_dflash.shapes write NAME DIR` if absent, and serves them with
 #                                --load-format dummy (+ draft) --skip-tokenizer-init. Cost only: never report
 #                                acceptance from it.
+#   --cpu                        a CPU machine: hands target + drafter to `python -m sglang_dflash serve
+#                                --device cpu`, which sets SGLang's CPU engine up (stub libcuda, float32,
+#                                torch_native attention, bounded KV pool) and prints the exact command. The
+#                                preset's GPU flags are dropped; our worker only (--method ours)
 #   --port N --host H            (default 30000, 127.0.0.1)
 #   --dry-run                    print the command (one line, env prefix included) and exit
 #   -- ARGS                      appended to the launch_server arguments
@@ -31,7 +37,7 @@ launch_usage() {
 }
 
 launch_main() {
-  local method=ours dummy="" port=30000 host=127.0.0.1 dry=0 extra=()
+  local method=ours dummy="" port=30000 host=127.0.0.1 dry=0 cpu=0 extra=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --method) method=${2:?--method needs a value}; shift 2 ;;
@@ -39,6 +45,7 @@ launch_main() {
       --port) port=${2:?}; shift 2 ;;
       --host) host=${2:?}; shift 2 ;;
       --dry-run) dry=1; shift ;;
+      --cpu) cpu=1; shift ;;
       -h|--help) launch_usage; return 0 ;;
       --) shift; extra=("$@"); break ;;
       *) echo "[$NAME] unknown option $1 (see --help)" >&2; return 2 ;;
@@ -51,6 +58,31 @@ launch_main() {
     return 2
   fi
   local target=${TARGET_PATH:-$TARGET} draft=${DRAFT_PATH:-$DRAFT}
+  if [ -n "${PREPARE:-}" ] && [ -z "${TARGET_PATH:-}" ] && [ -z "$dummy" ] && [ "$dry" = 0 ] \
+     && [ ! -f "$target/config.json" ]; then
+    echo "[$NAME] creating the target $target: ${PYTHON:-python3} -c \"$PREPARE\"" >&2
+    ${PYTHON:-python3} -c "$PREPARE" >&2
+  fi
+  if [ "$cpu" = 1 ]; then
+    if [ "$method" != ours ]; then
+      echo "[$NAME] --cpu serves with our worker only (SGLang's builtin DFLASH refuses CPU devices): use" \
+           "--method ours" >&2
+      return 2
+    fi
+    local sargs=(--device cpu --host "$host" --port "$port") more=()
+    if [ -n "$dummy" ]; then
+      target="$dummy/target"; draft="$dummy/draft"
+      if [ "$dry" = 0 ] && [ ! -f "$target/config.json" ]; then
+        ${PYTHON:-python3} -m sglang_dflash.shapes write "$NAME" "$dummy" >&2
+      fi
+      more=(--load-format dummy --skip-tokenizer-init --speculative-draft-load-format dummy)
+    fi
+    sargs+=(--target "$target" --draft "$draft")
+    [ "$dry" = 1 ] && sargs+=(--dry-run)
+    local switch=${DFLASH_WORKER_ENV:-SGLANG_DFLASH_WORKER=builtin}
+    exec env -u "${switch%%=*}" "${PYTHON:-python3}" -m sglang_dflash serve \
+      "${sargs[@]}" -- "${more[@]}" "${extra[@]}"
+  fi
   local args=(--model-path "$target" --host "$host" --port "$port" "${COMMON_ARGS[@]}")
   if [ -n "$dummy" ]; then
     target="$dummy/target"; draft="$dummy/draft"

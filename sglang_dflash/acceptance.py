@@ -47,6 +47,8 @@ def verify_sampled(drafts: torch.Tensor, target_probs: torch.Tensor,
     distributed exactly as target-only sampling from p. Greedy rows (one-hot p) reduce to verify_greedy.
     """
     n, b, _ = target_probs.shape
+    if b == 1:  # no drafts (a plain decode step): sample the next token from p_0
+        return _assemble(drafts, drafts.new_zeros(n), sample_from_probs(target_probs[:, 0], generator))
     p_draft = target_probs[:, :-1].gather(2, drafts[:, :, None])[:, :, 0]  # [N, B-1]
     u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device)
     accepted = accepted_prefix_len(u < p_draft)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from _stats import chi2_pvalue
+from _stats import chi2_pvalue, detectable_tv, grouped_chi2
 
 from sglang_dflash.acceptance import verify_greedy, verify_sampled
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs, sample_from_probs
@@ -74,31 +74,97 @@ def test_sample_from_probs_matches_distribution():
     assert chi2_pvalue(counts, p) > 1e-3
 
 
-@pytest.mark.parametrize("accept_rate_draft", [0, 1])
-def test_verify_sampled_emits_target_distribution(accept_rate_draft):
-    """Many copies of one block: the first emitted token must follow p_0, and the token after an accepted first
-    draft must follow p_1, whichever draft was proposed (a likely one, or an unlikely one)."""
-    g = torch.Generator().manual_seed(7)
-    v, b, n = 6, 3, 60_000
-    probs = torch.softmax(torch.randn(b, v, generator=g) * 1.5, -1)
-    draft = probs[:-1].argmax(-1) if accept_rate_draft else probs[:-1].argmin(-1)
-    commit, tokens = verify_sampled(draft.expand(n, b - 1).contiguous(), probs.expand(n, b, v).contiguous(), g)
-    first = torch.bincount(tokens[:, 0], minlength=v)
-    assert chi2_pvalue(first, probs[0]) > 1e-3
-    after = tokens[tokens[:, 0] == draft[0], 1]
-    second = torch.bincount(after, minlength=v)
-    assert chi2_pvalue(second, probs[1]) > 1e-3
-    assert (commit == 1).any() and (commit >= 2).any()
+# One block of B = 4 rows (row i predicts block position i+1, row 3 gives the bonus after full acceptance), written
+# out so that each planted bug moves visible mass: every row has a token of probability 0, the likely drafts are
+# accepted together often enough (0.6 * 0.7 * 0.6 = 25%) to observe the bonus many times, and the bonus row puts
+# 0.35 on the likely last draft (token 2), the mass a bug that removes the last draft from the bonus would lose.
+BLOCK_PROBS = torch.tensor([
+    [0.60, 0.15, 0.10, 0.10, 0.05, 0.00],
+    [0.05, 0.70, 0.10, 0.10, 0.05, 0.00],
+    [0.10, 0.10, 0.60, 0.15, 0.05, 0.00],
+    [0.15, 0.10, 0.35, 0.30, 0.10, 0.00],
+])
+DRAFT_KINDS = torch.tensor([
+    [0, 1, 2],  # the likely path: mostly accepted, full acceptance 25%
+    [4, 0, 3],  # unlikely drafts: mostly rejected, the replacement (residual) path
+    [5, 5, 5],  # drafts of probability 0: never accepted, the residual is p itself
+])
+ALPHA = 1e-4  # per check; ~10 checks in this file's distribution tests, so a harmless re-roll fails < 0.1% of seeds
+ROLE_NAMES = ("first token", "position 1", "position 2", "bonus after full acceptance")
 
 
-def test_verify_sampled_catches_a_wrong_residual():
-    """The statistical check above is sharp enough to fail a plausible bug: sampling the replacement token from p
-    itself instead of p without the rejected draft."""
+def emitted_distribution_failures(drafts, probs, kinds, tokens, alpha=ALPHA):
+    """For each block position j, the tokens emitted there by rows that kept drafts d_1..d_j (for a correct rule,
+    exactly the rows whose emitted tokens 0..j-1 equal the drafts) must follow row j of their block: one grouped
+    chi-square per position over the distinct blocks (`kinds` labels them). Returns [(role, p-value, draws, df)] of
+    the positions that fail, and [(role, draws, df)] of all of them."""
+    b = probs.shape[1]
+    failures, seen = [], []
+    for j in range(b):
+        kept = (tokens[:, :j] == drafts[:, :j]).all(dim=1)
+        ended = kept & (tokens[:, j] < 0)  # a step that emitted its drafts d_1..d_j yet stopped: the replacement
+        if ended.any():  # of a rejected draft equalled that draft, which an exact rule never samples
+            failures.append((ROLE_NAMES[j - 1], "a replacement equal to its rejected draft", int(ended.sum()), 0))
+            kept &= ~ended
+        groups = []
+        for k in kinds.unique().tolist():
+            rows = kept & (kinds == k)
+            first = rows.nonzero()[0, 0] if rows.any() else None
+            if first is not None:
+                groups.append((torch.bincount(tokens[rows, j], minlength=probs.shape[-1]), probs[first, j]))
+        pvalue, n, df, _ = grouped_chi2(groups)
+        seen.append((ROLE_NAMES[j], n, df))
+        if pvalue <= alpha:
+            failures.append((ROLE_NAMES[j], pvalue, n, df))
+    return failures, seen
+
+
+def test_verify_sampled_emits_target_distribution():
+    """A batch of n = 90,000 copies of one block (BLOCK_PROBS), a third with each draft vector of DRAFT_KINDS: at every
+    block position, first token, positions 1 and 2 (accepted draft or replacement) and the bonus after full
+    acceptance, the emitted token must follow the target's row for that position, and tokens of probability 0 never
+    appear. The same positions are checked by the engine-level test in test_reference_engine.py.
+
+    Power (grouped chi-square, threshold ALPHA = 1e-4, >= 95% power against the worst-case direction of the error;
+    _stats.detectable_tv, confirmed by simulation; seed 7 gives these draws):
+        first token   n = 90,000  df 12  detects TV >= 0.012
+        position 1    n = 19,454  df  8  detects TV >= 0.024
+        position 2    n = 12,699  df  8  detects TV >= 0.030
+        bonus         n =  7,543  df  6  detects TV >= 0.037
+    The bugs planted in test_mutations_algorithm.py move, on the likely path, TV 0.09-0.105 (accepting 15% too
+    often: 0.15 * p(d)), 0.35 (bonus without the last draft's mass) and 0.21-0.24 (replacement keeping the rejected
+    draft's mass: p(d) * (1 - p(d)))."""
     g = torch.Generator().manual_seed(7)
-    v, n = 6, 60_000
-    probs = torch.softmax(torch.randn(2, v, generator=g) * 1.5, -1)
-    draft = probs[:1].argmax(-1)
-    accepted = torch.rand(n, generator=g) < probs[0, draft]
-    wrong = torch.where(accepted, draft.expand(n), sample_from_probs(probs[0].expand(n, v).contiguous(), g))
-    counts = torch.bincount(wrong, minlength=v)
-    assert chi2_pvalue(counts, probs[0]) < 1e-6
+    n = 90_000
+    kinds = torch.arange(n) % len(DRAFT_KINDS)
+    drafts = DRAFT_KINDS[kinds]
+    probs = BLOCK_PROBS.expand(n, *BLOCK_PROBS.shape).contiguous()
+    commit, tokens = verify_sampled(drafts, probs, g)
+    failures, seen = emitted_distribution_failures(drafts, probs, kinds, tokens)
+    assert not failures, f"emitted tokens do not follow the target at (role, p-value, draws, df) {failures}"
+    for role, draws, df in seen:  # the power stated above, enforced
+        assert detectable_tv(draws, df, ALPHA) < 0.04, (role, draws, df)
+    assert set(commit.tolist()) == {1, 2, 3, 4}
+
+
+def test_verify_sampled_with_logit_bias():
+    """logit_bias (a request field the reference engine lacks; the worker adds it to the target logits before
+    processed_probs) enters the verify rule only through p: a banned token (bias -inf) proposed as a draft is never
+    accepted and never emitted, a boosted one is emitted at its boosted rate, at every block position and the bonus.
+    Drafts: the biased target's likely path, and a path that proposes the banned token at each position."""
+    g = torch.Generator().manual_seed(3)
+    v, b, n = 8, 4, 60_000
+    logits = torch.randn(b, v, generator=g)
+    bias = torch.zeros(v)
+    bias[3], bias[6] = -float("inf"), 2.0
+    s = SamplingTensors.from_params([SamplingParams(temperature=0.8, top_p=0.95)] * b, v)
+    block = processed_probs(logits + bias, s)
+    assert (block[:, 3] == 0).all() and (block[:, 6] > 0.4).all()
+    kinds = torch.arange(n) % 2
+    drafts = torch.stack([block[:-1].argmax(-1), torch.full((b - 1,), 3)])[kinds]
+    probs = block.expand(n, b, v).contiguous()
+    commit, tokens = verify_sampled(drafts, probs, g)
+    assert not (tokens == 3).any(), "a banned token (logit_bias -inf) was emitted"
+    failures, seen = emitted_distribution_failures(drafts, probs, kinds, tokens)
+    assert not failures, f"emitted tokens do not follow the biased target at {failures}"
+    assert min(draws for _, draws, _ in seen) > 5_000 and (commit == b).any()

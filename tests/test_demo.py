@@ -1,4 +1,4 @@
-"""The shipped SmolLM2 drafter and the README demo.
+"""The shipped SmolLM2 drafter and the demo (`sglang-dflash demo`).
 
 Fast tests check the shipped files (format, shard sizes, config against SmolLM2-135M-Instruct's shape, and that
 SGLang's own DFLASH config parser and weight-name mapping accept them). The slow test runs the real demo; it needs
@@ -96,3 +96,16 @@ def test_demo_runs_lossless_with_the_real_target():
     # the trained drafter must actually be accepted sometimes (a random drafter gives tau == 1.0)
     assert s["tau"] > 1.2, text
     assert s["forwards_spec"] < s["forwards_base"], text
+    if s["wall_base"] < s["wall_spec"]:  # the usual case on a CPU: the output must say why
+        assert "Why no wall-clock speedup" in text, text
+
+
+def test_why_no_speedup_uses_the_runs_numbers():
+    from sglang_dflash.demo import why_no_speedup
+
+    # 2 prompts: 2 prefills; DFlash 10 verify steps in 6 s, plain 30 decode steps in 3 s -> one step costs 6 plain
+    rows = [{}, {}]
+    text = why_no_speedup(dict(forwards_spec=12, forwards_base=32, wall_spec=6.0, wall_base=3.0, tau=2.5, rows=rows),
+                          block_size=16)
+    assert "cost 6.0 plain decode steps" in text and "tau = 2.50" in text and "16-token verify" in text
+    assert "(12 vs 32)" in text and "GPU" in text

@@ -43,18 +43,55 @@ def test_causal_layers_hide_later_block_tokens():
     assert not torch.allclose(out[0, -1], base[0, -1])
 
 
+def layer_io(drafter, block, context, pin=None, visible=None):
+    """One drafter forward; returns (inputs, outputs) of every layer. pin=(l, x) replaces layer l's input by x, so
+    that whatever layer l's output does beyond that input can only come from its own use of the context."""
+    inputs, outputs, hooks = [], [], []
+
+    def record(module, args, out):  # returns None: the output is kept as it is
+        inputs.append(args[0])
+        outputs.append(out)
+
+    for i, layer in enumerate(drafter.layers):
+        if pin is not None and pin[0] == i:
+            hooks.append(layer.register_forward_pre_hook(lambda m, args, x=pin[1]: (x, *args[1:])))
+        hooks.append(layer.register_forward_hook(record))
+    c, q = context.shape[1], block.shape[0]
+    embeds = drafter.block_embeddings(block[None], TARGET.get_input_embeddings().weight)
+    try:
+        drafter(embeds, torch.arange(c, c + q)[None], context, torch.arange(c)[None], visible)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs, outputs
+
+
 @torch.no_grad()
 def test_context_reaches_every_layer():
-    """KV injection: with 2 layers, removing the context from layer 2's keys changes the output (EAGLE-style
-    first-layer-only injection would not)."""
-    drafter = tiny_drafter(TARGET.config, num_layers=2, block_size=4)
+    """KV injection: every draft layer attends to the target's context itself, not only through the layers before
+    it. For each layer l of a 3-layer drafter, pin l's input to its value in a reference run and change the context:
+    l's output must change (injection into the first layer only, EAGLE-style, leaves layers 2 and 3 unchanged: the
+    mutation test plants it). Controls: pinned with the same context, l reproduces its output exactly (the pin
+    isolates l); with the context hidden by the visible mask, changing it changes nothing (the route is the
+    attention over the context rows)."""
+    drafter = tiny_drafter(TARGET.config, num_layers=3, block_size=4)
     block = torch.tensor([5, 255, 255, 255])
-    base, context = run(drafter, block)
-    seen = []
-    hook = drafter.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
-    run(drafter, block)
-    hook.remove()
-    assert seen == [context.shape[1] + 4]  # layer 2 projects context rows + block rows
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 6, drafter.config.num_context_features * drafter.config.hidden_size, generator=g)
+    context = drafter.project_context(features)
+    other = drafter.project_context(torch.randn(features.shape, generator=g))
+    inputs, outputs = layer_io(drafter, block, context)
+    for layer in range(3):
+        _, same = layer_io(drafter, block, context, pin=(layer, inputs[layer]))
+        assert torch.equal(same[layer], outputs[layer]), layer
+        _, moved = layer_io(drafter, block, other, pin=(layer, inputs[layer]))
+        change = (moved[layer] - outputs[layer]).abs().max().item()
+        assert change > 1e-2, f"layer {layer + 1} ignores the context it was given (max change {change:.1e})"
+    hidden = torch.ones(1, 4, 10, dtype=torch.bool)
+    hidden[:, :, :6] = False
+    _, seen = layer_io(drafter, block, context, visible=hidden)
+    _, unseen = layer_io(drafter, block, other, visible=hidden)
+    torch.testing.assert_close(unseen[-1], seen[-1], rtol=0, atol=0)
 
 
 @torch.no_grad()

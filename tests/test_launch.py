@@ -77,3 +77,41 @@ def test_flags_parse_with_sglang():
     r = subprocess.run([sys.executable, str(LAUNCH / "validate.py")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok ") == len(SCRIPTS)
+
+
+def test_defaults_are_paths_the_package_creates():
+    """No preset points at a directory nothing creates: local defaults are the shipped drafter or the cache
+    directories that smollm2.convert() / gemma3.convert() write (run by the preset itself on first use)."""
+    for script in SCRIPTS:
+        toks = shlex.split(dry(script).stdout)
+        get = lambda f: toks[toks.index(f) + 1]  # noqa: E731
+        for path in (get("--model-path"), get("--speculative-draft-model-path")):
+            assert not path.startswith("checkpoints/"), (script.name, path)
+    home_cache = Path.home() / ".cache" / "sglang_dflash"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    toks = shlex.split(subprocess.run(["bash", str(LAUNCH / "smollm2-135m.sh"), "--dry-run"], capture_output=True,
+                                      text=True, env=env).stdout)
+    assert toks[toks.index("--model-path") + 1] == str(home_cache / "SmolLM2-135M-Instruct")
+    draft = Path(toks[toks.index("--speculative-draft-model-path") + 1])
+    assert (draft / "config.json").is_file() and draft.name == "SmolLM2-135M-Instruct-DFlash-b16"
+    toks = shlex.split(subprocess.run(["bash", str(LAUNCH / "gemma-3-270m.sh"), "--dry-run"], capture_output=True,
+                                      text=True, env=env).stdout)
+    assert toks[toks.index("--model-path") + 1] == str(home_cache / "gemma-3-270m")
+
+
+def test_cpu_flag_hands_over_to_serve():
+    """--cpu: the preset's target and drafter go to `sglang-dflash serve --device cpu`, which prints the CPU command."""
+    pytest.importorskip("torch")
+    env = dict(__import__("os").environ, PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(LAUNCH / "smollm2-135m.sh"), "--dry-run", "--cpu", "--port", "30005", "--",
+                        "--log-level", "debug"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    toks = shlex.split(r.stdout.strip().splitlines()[-1])
+    get = lambda f: toks[toks.index(f) + 1]  # noqa: E731
+    assert "SGLANG_USE_CPU_ENGINE=1" in toks and get("--device") == "cpu" and get("--port") == "30005"
+    assert get("--attention-backend") == "torch_native" and get("--speculative-draft-attention-backend") == "torch_native"
+    assert get("--speculative-num-draft-tokens") == "16" and toks[-2:] == ["--log-level", "debug"]
+    assert "--cuda-graph-max-bs-decode" not in toks  # the preset's GPU flags are not carried over
+    r = subprocess.run(["bash", str(LAUNCH / "smollm2-135m.sh"), "--dry-run", "--cpu", "--method", "builtin"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--method ours" in r.stderr

@@ -29,6 +29,7 @@ _KV_COPY_INIT = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy
 _ALLOC = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 _TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 _SPEC_EXTRAS = "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras"
+_TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 
 
 def selected_worker() -> str:
@@ -52,9 +53,12 @@ def register() -> None:
 
     around = HookType.AROUND
     HookRegistry.register(f"{_SPEC}.create_worker", _create_worker, around)
+    HookRegistry.register(f"{_HOOK_ARGS}._resolve_speculative_algorithm_alias", _check_draft_path, around)
     HookRegistry.register(f"{_HOOK_ARGS}._handle_dflash", _handle_dflash, around)
     HookRegistry.register(f"{_HOOK_ARGS}._resolve_dflash_draft_attention_backend", _resolve_draft_backend, around)
     HookRegistry.register(_CAPTURE, _configure_capture, around)
+    # our verify-attention kernel for DFLASH TARGET_VERIFY batches on the triton backend (GPU; CPU uses torch_native)
+    HookRegistry.register(_TRITON_EXTEND, _triton_forward_extend, around)
     HookRegistry.register(_VALIDATE, _refuse_logprobs, HookType.BEFORE)
     HookRegistry.register(_TOKENIZED, _refuse_unapplied_sampling, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
@@ -75,6 +79,21 @@ def _create_worker(original, self, server_args):
     logger.info("sglang-dflash: DFLASH runs sglang_dflash.serving.worker.DFlashWorker (set %s=builtin for "
                 "SGLang's builtin worker)", WORKER_ENV)
     return DFlashWorker
+
+
+def _check_draft_path(original, *args, **kwargs):
+    # SGLang reads the drafter path here, before _handle_dflash: a missing directory must get our error first
+    from .startup import check_draft_path_before_alias
+
+    return check_draft_path_before_alias(original, *args, **kwargs)
+
+
+def _triton_forward_extend(original, self, q, k, v, layer, forward_batch, *args, **kwargs):
+    if not forward_batch.forward_mode.is_target_verify():
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    from .verify_kernel import triton_forward_extend
+
+    return triton_forward_extend(original, self, q, k, v, layer, forward_batch, *args, **kwargs)
 
 
 def _handle_dflash(original, server_args):

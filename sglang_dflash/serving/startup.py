@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
+import re
 from pathlib import Path
 
 from ..config import DFlashConfig, DFlashConfigError
@@ -46,6 +48,51 @@ def resolve_draft_attention_backend(server_args) -> str:
             f"device {server_args.device!r}. Fix: use one of {list(choices)}")
     server_args.speculative_draft_attention_backend = backend
     return backend
+
+
+# owner/name as the Hugging Face Hub spells a model id (no leading "/", ".", "~"; one slash)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_draft_model_path(path: str) -> None:
+    """The drafter must be a local directory, or something that can be a Hub model id (owner/name): accepted
+    online (the hub resolves it or says why not), and offline (HF_HUB_OFFLINE) only if it is cached. Otherwise SGLang's first use of the path (reading its config to resolve algorithm
+    aliases) fails with huggingface_hub's "Repo id must be in the form ..." or a hub lookup error that never
+    says the directory is missing; this says so, naming it."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return
+    fix = ("Fix: pass the drafter's checkpoint directory (config.json + *.safetensors); the SmolLM2-135M-Instruct "
+           "drafter ships inside this package (sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16), and "
+           "`sglang-dflash serve --dry-run` prints a complete working command")
+    if p.exists():
+        raise DFlashStartupError(f"--speculative-draft-model-path {path!r} is a file, not a directory. {fix}")
+    where = f"no such directory ({p.absolute()})"
+    if not _REPO_ID.match(str(path)):
+        raise DFlashStartupError(f"--speculative-draft-model-path {path!r}: {where}. {fix}")
+    if _hub_offline() and not _in_hub_cache(str(path)):
+        raise DFlashStartupError(f"--speculative-draft-model-path {path!r}: {where}, and not in the Hugging Face "
+                                 f"cache as a model id (HF_HUB_OFFLINE is set, so it cannot be downloaded). {fix}")
+
+
+def check_draft_path_before_alias(original, speculative_algorithm, speculative_draft_model_path, *args, **kwargs):
+    """AROUND hook for SGLang's ``_resolve_speculative_algorithm_alias``: the first place that opens the drafter
+    path (before ``_handle_dflash``), so the existence check must run here to come first."""
+    if str(speculative_algorithm or "").upper() == "DFLASH" and speculative_draft_model_path is not None:
+        check_draft_model_path(speculative_draft_model_path)
+    return original(speculative_algorithm, speculative_draft_model_path, *args, **kwargs)
 
 
 def load_draft_config(server_args) -> DFlashConfig:

@@ -5,11 +5,18 @@ slots per request, one step ahead under overlap; finish/abort/retract release th
 worker owns one model step:
 
     prefill  target extend with hidden capture -> first token (SGLang's sampler) -> the prompt's draft context K/V
-    decode   draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 greedy drafts
-             verify  one target pass over [bonus, d_1..d_{B-1}], hidden capture -> logits [bs, B, V]
+    decode   width   k = how many drafts this step verifies (0..B-1): the adaptive policy (width_control.py)
+             draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 greedy drafts (skipped if k = 0)
+             verify  one target pass over [bonus, d_1..d_k], hidden capture  -> logits [bs, k+1, V]
              accept  acceptance.verify_greedy / verify_sampled                -> commit_lens, tokens
-             commit  publish new lengths; write context K/V of the B verified rows (rows past commit_len are
+             commit  publish new lengths; write context K/V of the k+1 verified rows (rows past commit_len are
                      rewritten by the next step's block, which starts at the new length)
+
+A step with k = 0 is a plain decode step of the target that still captures its hidden state and writes the
+drafter's context K/V, so speculation can resume at any later step without re-prefilling anything. A step with
+0 < k < B-1 drafts the whole block (the draft pass costs the same, and the drafter was trained on full blocks)
+and verifies its first k drafts (benchmarks/results/width-acceptance-smollm2-cpu compares this with drafting a
+shorter block).
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has.
@@ -23,6 +30,8 @@ import torch
 from ..acceptance import verify_greedy, verify_sampled
 from ..config import DFlashConfig
 from ..sampling import SamplingTensors, processed_probs
+from .verify_widths import VerifyWidths
+from .width_control import WidthControls, WidthController
 
 logger = logging.getLogger("sglang_dflash")
 # Named ranges for torch.profiler traces (SGLang's /start_profile); near-free when no profiler is running.
@@ -71,6 +80,12 @@ class DFlashWorker(BaseSpecWorker):
         target = self.model_runner.model
         self.draft_model.bind_target(target.get_input_embeddings().weight, _lm_head_weight(target))
 
+        # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
+        controls = WidthControls.from_env(B)
+        self._widths = VerifyWidths(self.model_runner, B, controls.ks)
+        self._control = WidthController(controls, B, str(self.device),
+                                        enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
+
         # per-step buffers, sized once (bs never exceeds max_running_requests)
         cap = max(int(server_args.max_running_requests or 48), 1)
         dev = self.device
@@ -78,16 +93,16 @@ class DFlashWorker(BaseSpecWorker):
         self._block_ids = torch.full((cap, B), self.cfg.mask_token_id, dtype=torch.int64, device=dev)
         self._positions = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._cache_loc = torch.empty((cap, B), dtype=torch.int64, device=dev)
-        self._verify_ids = torch.empty((cap, B), dtype=torch.int64, device=dev)
+        self._verify_ids = torch.empty((cap * B,), dtype=torch.int64, device=dev)
         # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
         self._draft_spec_info = DFlashVerifyInput(
             draft_token=torch.empty(0, dtype=torch.int64, device=dev),
             positions=torch.empty(0, dtype=torch.int64, device=dev), draft_token_num=B,
             capture_hidden_mode=CaptureHiddenMode.NULL)
         logger.info("sglang-dflash worker ready: block=%d, draft layers=%d, target_layer_ids=%s, mask_token_id=%d, "
-                    "draft attention=%s, overlap=%s", B, self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
+                    "draft attention=%s, overlap=%s, speculation: %s", B, self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
                     self.cfg.mask_token_id, bundle.resolved_attention_backend,
-                    not server_args.disable_overlap_schedule)
+                    not server_args.disable_overlap_schedule, controls.describe())
 
     # ------------------------------------------------------------------------------ scheduler plumbing
     @property
@@ -118,6 +133,14 @@ class DFlashWorker(BaseSpecWorker):
         enabled = graph_cfg is not None and graph_cfg.decode.backend != Backend.DISABLED and self.device != "cpu"
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=enabled)
         logger.info("sglang-dflash: draft CUDA graphs %s", "captured" if enabled else "off")
+        if enabled:
+            self._widths.capture()
+            logger.info("sglang-dflash: extra target verify graphs for widths %s: %.2f GB", self._widths.widths,
+                        self._widths.graph_memory_gb)
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
+        # the scheduler's host-side report of a finished decode step: feeds the width policy with no sync
+        self._control.on_verify_complete(num_correct_drafts_per_req, batch_size)
 
     def __getattr__(self, name):
         # everything the scheduler asks a TP worker for (and we do not override) is the target's
@@ -167,23 +190,32 @@ class DFlashWorker(BaseSpecWorker):
         if not isinstance(state, DFlashDraftInputV2):
             raise RuntimeError(f"DFLASH decode expected DFlashDraftInputV2 state, got {type(state).__name__}")
         prefix = batch.seq_lens  # committed lengths; the bonus token sits at position prefix
+        k = self._control.choose(bs)  # drafts to verify this step; W = k + 1 tokens per request
+        W = k + 1
+        timer = self._control.step_begin()
         block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs)
-        host_lens = self._host_lens(batch, state)
 
-        # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1
-        with _phase("dflash.draft"):
-            drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, host_lens, bs)
-
-        # 2) verify: one target pass over [bonus, d_1..d_{B-1}], logits for every position + hidden capture
-        verify_ids = self._verify_ids[:bs]
+        # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1 (none when k = 0)
+        verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
         verify_ids[:, 0] = state.bonus_tokens
-        verify_ids[:, 1:] = drafts
-        with _phase("dflash.verify"):
-            logits, features, graphed = self._verify(batch, verify_ids, positions, cache_loc, host_lens, bs)
+        if k > 0:
+            with _phase("dflash.draft"):
+                drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
+                                     bs)[:, :k]
+            verify_ids[:, 1:] = drafts
+        else:
+            drafts = verify_ids[:, 1:]  # [bs, 0]
+
+        # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
+        # contiguous: a [bs, 1] column of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
+        positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
+        with _phase("dflash.verify"), self._widths.target_at(W):
+            logits, features, graphed = self._verify(batch, verify_ids, positions, cache_loc,
+                                                     self._host_lens(batch, state, W), bs, W)
 
         # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
         with _phase("dflash.accept"):
-            commit_lens, tokens = self._accept(batch, drafts, logits.view(bs, B, -1))
+            commit_lens, tokens = self._accept(batch, drafts, logits.view(bs, W, -1))
             bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         if on_publish is not None:
@@ -193,11 +225,12 @@ class DFlashWorker(BaseSpecWorker):
         with _phase("dflash.commit"):
             self.draft_model.write_context_kv(features, positions.reshape(-1), cache_loc.reshape(-1),
                                               self.draft_runner.token_to_kv_pool)
+        self._control.step_end(bs, k, timer)
         return GenerationBatchResult(
             logits_output=None, next_token_ids=tokens.clamp_min(0).reshape(-1),
             accept_lens=commit_lens.to(torch.int32),
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
-            speculative_num_draft_tokens=B, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
+            speculative_num_draft_tokens=W, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
 
     # ----------------------------------------------------------------------------------- step helpers
     def _block_inputs(self, batch, bonus, prefix, bs):
@@ -209,10 +242,10 @@ class DFlashWorker(BaseSpecWorker):
         cache_loc.copy_(self.req_to_token_pool.req_to_token[rows, positions])
         return block_ids, positions, cache_loc
 
-    def _host_lens(self, batch, state):
-        """Host-side upper bounds of the attended lengths (committed + B), for backends that plan on the host."""
+    def _host_lens(self, batch, state, width):
+        """Host-side upper bounds of the attended lengths (committed + width), for backends that plan on the host."""
         if batch.seq_lens_cpu is not None:
-            lens = batch.seq_lens_cpu + self.block
+            lens = batch.seq_lens_cpu + width
         elif state.reserved_seq_lens_cpu is not None:
             lens = state.reserved_seq_lens_cpu
         else:
@@ -234,9 +267,9 @@ class DFlashWorker(BaseSpecWorker):
         hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:].reshape(bs * (self.block - 1), -1)
         return self.draft_model.draft_logits(hidden).argmax(dim=-1).view(bs, self.block - 1)
 
-    def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs):
+    def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs, width):
         vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),
-                                draft_token_num=self.block, capture_hidden_mode=CaptureHiddenMode.FULL)
+                                draft_token_num=width, capture_hidden_mode=CaptureHiddenMode.FULL)
         batch.out_cache_loc = cache_loc.reshape(-1)
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         if host_lens[0] is not None:
@@ -248,10 +281,10 @@ class DFlashWorker(BaseSpecWorker):
         out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True,
                                                           skip_attn_backend_init=True)
         lo = out.logits_output
-        n = bs * self.block
+        n = bs * width
         logits = lo.next_token_logits[:n]
         if batch.sampling_info is not None and batch.sampling_info.logit_bias is not None:
-            logits = logits + batch.sampling_info.logit_bias.repeat_interleave(self.block, dim=0)
+            logits = logits + batch.sampling_info.logit_bias.repeat_interleave(width, dim=0)
         features = lo.hidden_states[:n]
         lo.hidden_states = None
         return logits, features, bool(out.can_run_cuda_graph)

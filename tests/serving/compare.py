@@ -1,14 +1,21 @@
 """Talking to the CPU test servers and comparing a DFLASH server's output with a no-speculation baseline.
 
-Greedy outputs must be token-for-token identical. Where they differ, the baseline is asked for its top-2 logprobs
-at the first differing position: only a tie excuses a divergence (see assert_equal_or_tie); tests bound how many.
+Greedy outputs must be token-for-token identical. The one excuse is float32 noise at a near-tie of the baseline
+(check_greedy): a verify scores a token with an extend kernel, the baseline with a decode kernel, and where the
+baseline's top-2 logprobs are closer than that noise the two may legitimately pick different tokens. A divergence is
+excused only when the DFLASH token is the baseline's runner-up (the two tokens are exactly the baseline's top-2)
+AND their gap is under TIE_TOL; the baseline is then re-run from the divergence (prompt + output up to and including
+the DFLASH token) and the rest of the DFLASH output must equal that continuation, recursively (MAX_EXCUSED deep).
+Tests cap how many prompts may be excused at all.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.request
@@ -16,11 +23,38 @@ import urllib.request
 import openai
 import pytest
 
-TIE_TOL = 1e-4  # float32 logprobs: a gap this small is an exact tie up to accumulation order
-NEAR_TOL = 5e-3  # extend-vs-decode kernel noise, excused only for the runner-up token (see assert_equal_or_tie)
+# Float32 noise of the top-2 logprob gap, measured on the baseline servers (--dtype float32) of the tiny Qwen3 target
+# (40 prompts of the serving tests x 48 greedy tokens, 1,855 positions) and of the tiny Gemma-3 target (the same
+# prompts, 1,920 positions): at every position the gap the decode kernel reports (output_top_logprobs) against the
+# gap the extend kernel reports for the same sequence (input_top_logprobs of one prefill), and both against a float64
+# transformers recompute. Largest differences, Qwen3 / Gemma-3: decode vs extend 2.9e-6 / 4.4e-6, decode vs float64
+# 1.7e-6 / 2.7e-6, extend vs float64 2.6e-6 / 3.6e-6 (medians under 1e-6); no argmax differs from float64's. The
+# smallest real gaps on those positions are 2.7e-4 / 3.1e-3, so with TIE_TOL at 10x the noise no divergence on them
+# can be excused, and tests cap excused prompts at 0. Without --dtype float32 SGLang serves these float32
+# checkpoints in float16 (dtype "auto"): decode and extend then differed by up to 7.8e-3 and 7 of the Qwen3
+# target's 1,855 positions were exact ties, which is why every server in tests/serving passes FLOAT32.
+GAP_NOISE_MEASURED = 4.4e-6
+TIE_TOL = 10 * GAP_NOISE_MEASURED
+FLOAT32 = ["--dtype", "float32"]
+MAX_EXCUSED = 3  # excused divergences in one output before it fails anyway (each needs a near-tie: rare)
 SPEC_ARGS = ["--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", "16",
              "--speculative-draft-attention-backend", "torch_native"]
+# The worker's adaptive verify width (default on) picks each step's number of drafts k from CPU wall-clock step
+# times and running acceptance; with these tiny drafters it often picks k = 0 (plain decode steps: seen in
+# test_shared_prefix_radix_hit, every step committed 1 token), which would leave the multi-token verify / accept /
+# commit path, the thing these tests exist to check, unexercised, and each test's coverage timing-dependent. So
+# the DFLASH test servers run the full block every step (SGLang's fixed behaviour, and what the acceptance-length
+# checks compare with the reference engine) through the worker's own control; test_adaptive_cpu.py forces width
+# switches with its k schedule. A worker without the control ignores the variable.
+FULL_BLOCK = {"SGLANG_DFLASH_ADAPTIVE": "0"}
 STARTUP_S = 420  # a cold start on a busy 2-core machine takes 35-200 s
+# Added to every test server's port, so that two checkouts can run tests/serving on one machine at once (a server
+# whose port is taken dies, while wait_healthy would get its answer from the other checkout's server).
+PORT_OFFSET = int(os.environ.get("SGLANG_DFLASH_TEST_PORT_OFFSET", "0"))
+
+
+def port(p: int) -> int:
+    return p + PORT_OFFSET
 
 
 def client(server, timeout=180.0):
@@ -43,6 +77,14 @@ def generate(server, body: dict, timeout=300.0) -> dict:
         return {"status": e.code, "error": e.read().decode(errors="replace")}
 
 
+def greedy(server, prompt, max_tokens: int, extra: dict | None = None, timeout=300.0) -> dict:
+    """One greedy /generate answer (output_ids, meta_info); fails on an HTTP error."""
+    r = generate(server, {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": max_tokens,
+                                                                         "temperature": 0, **(extra or {})}}, timeout)
+    assert "output_ids" in r, f"greedy request failed: {r}"
+    return r
+
+
 def first_diff(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -50,50 +92,104 @@ def first_diff(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def assert_equal_or_tie(base, model, prompt, base_ids, spec_ids) -> bool:
-    """True if the outputs diverge at a tie of the baseline, False if identical; fails otherwise.
-
-    A tie: the baseline's top-2 logprobs at the first differing position differ by <= TIE_TOL, or by <= NEAR_TOL
-    with the DFLASH token being exactly the baseline's runner-up. The second case is kernel noise: a verify scores
-    tokens with an extend kernel, the baseline with a decode kernel, and in float32 their logprobs differ by up to
-    ~2e-3 on this tiny model (seen once in the suite: gap 1.95e-3, where float64 transformers agrees with the
-    baseline by 2.7e-4; it also happens without chunked prefill). A wrong KV row or token gives larger gaps."""
-    base_ids, spec_ids = list(base_ids), list(spec_ids)
-    i = first_diff(base_ids, spec_ids)
-    if i is None:
-        return False
-    if i >= min(len(base_ids), len(spec_ids)):
-        pytest.fail(f"lengths differ without a token difference: base {len(base_ids)} vs dflash {len(spec_ids)} "
-                    f"for prompt {prompt}")
-    meta = generate(base, {"input_ids": list(prompt) + base_ids[:i], "return_logprob": True, "top_logprobs_num": 2,
+def top2(base, ids) -> list[tuple[float, int]]:
+    """The baseline's two most likely next tokens after ids, as [(logprob, token)] best first."""
+    meta = generate(base, {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": 2,
                            "sampling_params": {"max_new_tokens": 1, "temperature": 0}})["meta_info"]
-    (lp1, tok1, _), (lp2, tok2, _) = sorted(meta["output_top_logprobs"][0], reverse=True)[:2]
-    gap = lp1 - lp2
-    if gap <= TIE_TOL or (gap <= NEAR_TOL and spec_ids[i] == tok2):
-        return True
-    pytest.fail(f"greedy divergence at output position {i} (base {base_ids[i]} vs dflash {spec_ids[i]}; baseline "
-                f"top-2 {tok1}, {tok2}) where the baseline's top-2 logprobs differ by {gap:.3g} (tie tolerance "
-                f"{TIE_TOL}, or {NEAR_TOL} for the runner-up): DFLASH is not lossless here. prompt={prompt}")
+    return [(lp, tok) for lp, tok, _ in sorted(meta["output_top_logprobs"][0], reverse=True)[:2]]
 
 
-def count_ties(base, model, prompts, base_out, spec_out) -> int:
-    """Each prompt's DFLASH output (a completion choice with token_ids) must be non-empty and equal to the
-    baseline's up to a tie (assert_equal_or_tie); returns how many prompts were excused as ties."""
-    ties = 0
-    for p, b, s in zip(prompts, base_out, spec_out):
-        assert s.token_ids, f"empty output for {p}"
-        ties += assert_equal_or_tie(base, model, p, b.token_ids, s.token_ids)
-    return ties
+def check_greedy(base, prompt, base_ids, spec_ids, max_tokens: int, extra: dict | None = None,
+                 max_excused: int = MAX_EXCUSED, tie_tol: float = TIE_TOL) -> int:
+    """How many near-tie divergences were excused in spec_ids (0: identical to base_ids); fails otherwise.
+
+    At a divergence i the baseline's top-2 after prompt + base_ids[:i] must be exactly {base_ids[i], spec_ids[i]}
+    with a logprob gap <= tie_tol (TIE_TOL, measured on the tiny targets; a real target passes its own). Then the
+    DFLASH token is taken as given: the baseline greedily continues
+    prompt + spec_ids[:i+1] for the remaining budget (same `extra` sampling params as the original requests, e.g.
+    ignore_eos) and spec_ids[i+1:] must equal that continuation, by the same rule."""
+    prompt, base_ids, spec_ids = list(prompt), list(base_ids), list(spec_ids)
+    excused, done = 0, 0  # done: output tokens already settled before the current frame
+    while True:
+        i = first_diff(base_ids, spec_ids)
+        if i is None:
+            return excused
+        where = f"output position {done + i} of prompt {prompt[:len(prompt) - done]}"
+        if i >= min(len(base_ids), len(spec_ids)):
+            pytest.fail(f"lengths differ without a token difference at {where}: baseline {len(base_ids)} vs "
+                        f"dflash {len(spec_ids)} tokens after it")
+        (lp1, tok1), (lp2, tok2) = top2(base, prompt + base_ids[:i])
+        gap = lp1 - lp2
+        if {tok1, tok2} != {base_ids[i], spec_ids[i]} or gap > tie_tol:
+            pytest.fail(f"greedy divergence at {where}: baseline {base_ids[i]} vs dflash {spec_ids[i]}; the "
+                        f"baseline's top-2 are {tok1}, {tok2} with a logprob gap {gap:.3g} (excused only for "
+                        f"exactly these two tokens and a gap <= {tie_tol:.3g}): DFLASH is not lossless here")
+        excused += 1
+        if excused > max_excused:
+            pytest.fail(f"{excused} near-tie divergences in one output (limit {max_excused}), the last at {where}")
+        prompt += spec_ids[: i + 1]
+        done += i + 1
+        spec_ids = spec_ids[i + 1:]
+        remaining = max_tokens - done
+        base_ids = greedy(base, prompt, remaining, extra)["output_ids"] if remaining > 0 else []
 
 
-def compare_greedy(base, spec, model, prompts, max_tokens: int, max_workers: int) -> int:
-    """Greedy completions of every prompt from the DFLASH server and the baseline, all submitted at once (the DFLASH
-    ones first) on max_workers threads, then checked with count_ties; returns the number of ties."""
+def check_all(base, prompts, base_ids, spec_ids, max_tokens: int, max_excused_prompts: int,
+              extra: dict | None = None, tie_tol: float = TIE_TOL) -> list[int]:
+    """check_greedy for every prompt; at most max_excused_prompts prompts may carry an excused divergence.
+    Returns the per-prompt excused counts (a prompt with a nonzero count followed the DFLASH branch of a tie)."""
+    counts = []
+    for p, b, s in zip(prompts, base_ids, spec_ids, strict=True):
+        assert len(s), f"empty DFLASH output for {p}"
+        counts.append(check_greedy(base, p, b, s, max_tokens, extra, tie_tol=tie_tol))
+    n = sum(c > 0 for c in counts)
+    assert n <= max_excused_prompts, (f"{n} of {len(prompts)} prompts diverged at near-ties (limit "
+                                      f"{max_excused_prompts}): ties under {tie_tol:.3g} should be rare here")
+    return counts
+
+
+def compare_greedy(base, spec, prompts, max_tokens: int, max_workers: int, max_excused_prompts: int,
+                   extra: dict | None = None, timeout=300.0) -> list[dict]:
+    """Greedy /generate of every prompt from the DFLASH server and the baseline, all submitted at once (the DFLASH
+    ones first) on max_workers threads, then check_all. Returns the DFLASH answers' meta_info."""
     with cf.ThreadPoolExecutor(max_workers=max_workers) as pool:
-        spec_f = [pool.submit(complete, spec, model, p, max_tokens=max_tokens, temperature=0) for p in prompts]
-        base_f = [pool.submit(complete, base, model, p, max_tokens=max_tokens, temperature=0) for p in prompts]
+        spec_f = [pool.submit(greedy, spec, p, max_tokens, extra, timeout) for p in prompts]
+        base_f = [pool.submit(greedy, base, p, max_tokens, extra, timeout) for p in prompts]
         spec_out, base_out = [f.result() for f in spec_f], [f.result() for f in base_f]
-    return count_ties(base, model, prompts, base_out, spec_out)
+    check_all(base, prompts, [b["output_ids"] for b in base_out], [s["output_ids"] for s in spec_out], max_tokens,
+              max_excused_prompts, extra)
+    return [s["meta_info"] for s in spec_out]
+
+
+def extra_committed(meta: dict) -> int:
+    """A lower bound on the tokens that multi-token commits added to one DFLASH answer (> 0: some verify step
+    committed more than 1 token).
+
+    completion_tokens = 1 (prefill) + the tokens of every verify step; SGLang counts a step in spec_verify_ct only
+    if the request is still running after it, so the finishing step is not counted. With every commit 1 token,
+    completion_tokens = spec_verify_ct + 2 (or + 1); anything above that came from commits longer than 1."""
+    ct = meta.get("spec_verify_ct")
+    if not ct:
+        return 0
+    return meta["completion_tokens"] - 2 - ct
+
+
+def assert_multi_token(metas, what: str) -> None:
+    """Some answer in metas had a verify step commit several tokens, so the multi-token path ran in `what`."""
+    extra = [extra_committed(m) for m in metas]
+    assert any(e > 0 for e in extra), (
+        f"{what}: no verify step committed more than 1 token (completion_tokens - 2 - spec_verify_ct per answer: "
+        f"{extra}); the multi-token commit path was not exercised, so this test cannot see its bugs")
+
+
+def assert_radix_hit(usage, at_least: int) -> None:
+    """An OpenAI usage block reports a radix-cache hit of at least `at_least` prompt tokens. SGLang fills
+    prompt_tokens_details.cached_tokens only on a server started with --enable-cache-report."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    assert cached is not None, (f"usage reports no cached_tokens ({usage}): start the server with "
+                                f"--enable-cache-report")
+    assert cached >= at_least, f"expected a radix hit of >= {at_least} prompt tokens, got {cached} cached"
 
 
 def wait_all_healthy(*servers, timeout_s: float = STARTUP_S) -> None:
@@ -106,34 +202,133 @@ def log_count(server, needle: str) -> int:
     return server.log_path.read_text(errors="replace").count(needle)
 
 
-def assert_valid_sample(base, prompt, tokens, vocab, temperature, top_p, min_p, slack=1e-2) -> None:
-    """Every sampled token lies in the support of the target's processed distribution (temperature, top-p, min-p),
-    judged from the baseline's full next-token logprobs at each position (one prefill, all input positions).
-
-    ``slack`` (relative) covers the float32 kernel noise between the baseline's logprobs and the verify's logits
-    (up to ~NEAR_TOL in logprob, i.e. ~0.6% in probability at temperature 0.8): one run sampled a token whose
-    p / p_max was 0.04994 against min_p 0.05."""
+def full_logprobs(base, prompt, tokens, vocab) -> list[dict[int, float]]:
+    """The baseline's full next-token logprobs (raw logits, temperature 1) for each of tokens after prompt: row k
+    is the distribution token k was drawn from. One prefill of prompt + tokens."""
     body = {"input_ids": list(prompt) + list(tokens), "return_logprob": True, "top_logprobs_num": vocab,
             "logprob_start_len": len(prompt) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     meta = generate(base, body)["meta_info"]
-    # rows[j]: the distribution of the token at input position start + j (raw logits, temperature 1); rows[0] is
-    # None (the prompt's last token), so sampled token k is judged by rows[k + 1].
+    # rows[j]: the distribution of the token at input position start + j; rows[0] is None (the prompt's last
+    # token), so token k is judged by rows[k + 1]; the last input token's distribution is the output's (unused).
     rows = meta["input_top_logprobs"]
-    assert len(rows) == len(tokens) + 1, f"{len(rows)} logprob rows for {len(tokens)} sampled tokens"
-    for k, tok in enumerate(tokens):
+    assert len(rows) == len(tokens) + 1, f"{len(rows)} logprob rows for {len(tokens)} tokens"
+    out = []
+    for k in range(len(tokens)):
         lps = {tid: lp for lp, tid, _ in rows[k + 1] if lp is not None}
         assert len(lps) == vocab, f"{len(lps)} logprobs at position {k}, expected the whole vocabulary"
+        out.append(lps)
+    return out
+
+
+def next_logprobs(base, ids, vocab) -> dict[int, float]:
+    """The baseline's full-vocabulary logprobs (raw logits, temperature 1) of the token after ids."""
+    meta = generate(base, {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": vocab,
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})["meta_info"]
+    lps = {tid: lp for lp, tid, _ in meta["output_top_logprobs"][0] if lp is not None}
+    assert len(lps) == vocab, f"{len(lps)} logprobs after {ids}, expected the whole vocabulary"
+    return lps
+
+
+def processed(lps: dict[int, float], temperature: float, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0, bias: dict[int, float] | None = None) -> dict[int, float]:
+    """The target's processed distribution (sglang_dflash.sampling's definition) from full logprobs, in float64:
+    bias added to the logits, softmax(logits / T), top-k, top-p (mass before the token, measured before top-k, >
+    top_p drops it), min-p; renormalised. Logprobs stand in for logits (they differ by a per-row constant)."""
+    scaled = sorted((((lp + (bias or {}).get(t, 0.0)) / temperature, t) for t, lp in lps.items()), reverse=True)
+    z = math.log(sum(math.exp(s - scaled[0][0]) for s, _ in scaled)) + scaled[0][0]
+    probs = [(math.exp(s - z), t) for s, t in scaled]
+    keep, before = {}, 0.0
+    for rank, (p, t) in enumerate(probs):
+        if (top_k <= 0 or rank < top_k) and before <= top_p and p >= min_p * probs[0][0]:
+            keep[t] = p
+        before += p
+    total = sum(keep.values())
+    return {t: p / total for t, p in keep.items()}
+
+
+def assert_valid_sample(base, prompt, tokens, vocab, temperature, top_p=1.0, min_p=0.0, top_k=0,
+                        slack=1e-2) -> None:
+    """Every sampled token lies in the support of the target's processed distribution (temperature, top-k, top-p,
+    min-p), judged from the baseline's full next-token logprobs at each position (one prefill, all positions).
+
+    ``slack`` (relative) covers float32 kernel noise at the support's edge: one run sampled a token whose p / p_max
+    was 0.04994 against min_p 0.05. top_k is exact (a rank is not noisy unless two logprobs tie)."""
+    for k, (tok, lps) in enumerate(zip(tokens, full_logprobs(base, prompt, tokens, vocab))):
         assert tok in lps, f"sampled token {tok} at {k} is not in the vocabulary's logprobs"
         scaled = sorted(((lp / temperature, tid) for tid, lp in lps.items()), reverse=True)
         z = math.log(sum(math.exp(s - scaled[0][0]) for s, _ in scaled)) + scaled[0][0]
         probs = [(math.exp(s - z), tid) for s, tid in scaled]
-        mass_before, p_tok = 0.0, None
-        for p, tid in probs:
+        mass_before, p_tok, rank = 0.0, None, None
+        for r, (p, tid) in enumerate(probs):
             if tid == tok:
-                p_tok = p
+                p_tok, rank = p, r
                 break
             mass_before += p
+        if top_k > 0:
+            assert rank < top_k, f"token {tok} at output position {k} has rank {rank}, outside top_k={top_k}"
         assert mass_before < top_p + slack, (f"token {tok} at output position {k} lies outside the top_p={top_p} "
                                              f"nucleus (mass before it {mass_before:.4f})")
         assert p_tok >= min_p * probs[0][0] * (1 - slack), (
             f"token {tok} at output position {k} has p={p_tok:.4g} < min_p={min_p} x p_max={probs[0][0]:.4g}")
+
+
+ALPHA = 1e-3  # false-failure rate of the histogram checks
+
+
+class Histogram:
+    """A chi-square goodness-of-fit verdict for draws (hashable outcomes) against exact probabilities {outcome: p},
+    with its power: cells expected under 5 draws are pooled into one; any draw outside the support fails."""
+
+    def __init__(self, draws: list, probs: dict, alpha: float = ALPHA):
+        from scipy.stats import chisquare
+
+        self.n, self.alpha, self.support = len(draws), alpha, list(probs)
+        self.outside = [d for d in draws if d not in probs]
+        counts = collections.Counter(draws)
+        total = sum(probs.values())  # float32-built tables sum to 1 only within ~1e-7
+        self.expected = [probs[c] / total * self.n for c in self.support]
+        self.big = [e >= 5 for e in self.expected]
+        obs = [counts[c] for c, b in zip(self.support, self.big) if b]
+        exp = [e for e, b in zip(self.expected, self.big) if b]
+        pooled = self.n - sum(exp)
+        if pooled > 1e-9:
+            obs.append(self.n - len(self.outside) - sum(obs))
+            exp.append(pooled)
+        self.cells = len(exp)
+        if self.outside:  # the observed cells no longer sum to n; check() fails on them anyway
+            self.pvalue = 0.0
+        else:
+            self.pvalue = float(chisquare(obs, exp).pvalue) if self.cells > 1 else 1.0
+        self.detectable_tv = detectable_tv(self.n, self.cells - 1, alpha)
+
+    def tv_of(self, other: dict) -> float:
+        """The total-variation distance between these cells and another distribution's mass on the same cells
+        (its mass outside the support counts in full): what this test can see of `other`."""
+        total = sum(other.values())
+        q = [other.get(c, 0.0) / total for c in self.support]
+        mine = [e / self.n for e in self.expected]
+        big = [(a, b) for a, b, k in zip(q, mine, self.big) if k]
+        small = (sum(a for a, k in zip(q, self.big) if not k), sum(b for b, k in zip(mine, self.big) if not k))
+        outside = 1.0 - sum(q)
+        return 0.5 * (sum(abs(a - b) for a, b in big + [small]) + outside)
+
+    def check(self, what: str) -> None:
+        assert not self.outside, f"{what}: {len(self.outside)} draws outside the support, e.g. {self.outside[:5]}"
+        assert self.pvalue > self.alpha, (f"{what} departs from the exact distribution: chi-square p="
+                                          f"{self.pvalue:.3g} over {self.cells} cells, n={self.n}")
+
+
+def detectable_tv(n: int, df: int, alpha: float = ALPHA, power: float = 0.8) -> float:
+    """The smallest total-variation distance that a chi-square test of n draws over df + 1 cells rejects at level
+    alpha with the given power, whatever the alternative: by Cauchy-Schwarz, an alternative q at TV distance d from
+    p has noncentrality n * sum((q - p)^2 / p) >= n * (sum |q - p|)^2 = 4 n d^2."""
+    from scipy.stats import chi2, ncx2
+
+    if df < 1:
+        return 1.0
+    crit = chi2.ppf(1 - alpha, df)
+    lo, hi = 0.0, 1e5
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ncx2.sf(crit, df, mid) < power else (lo, mid)
+    return math.sqrt(hi / (4 * n))

@@ -33,8 +33,12 @@ def baseline(dflash_pair):
         pytest.skip("gcc is needed to build the stub libcuda.so.1")
     from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server
 
+    from .compare import FLOAT32, port
+
     root, target, _, _ = dflash_pair
-    server = launch_server(target, BASE_PORT, root / "base.log", CPU_SERVER_ARGS, cpu_server_env(root / "stub"))
+    # float32 as the checkpoint is (SGLang's dtype "auto" would serve it in float16: see compare.TIE_TOL)
+    server = launch_server(target, port(BASE_PORT), root / "base.log", CPU_SERVER_ARGS + FLOAT32,
+                           cpu_server_env(root / "stub"))
     try:
         yield server
     finally:

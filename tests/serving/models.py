@@ -47,10 +47,15 @@ def build_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, dict]:
         "loss_last": losses[-1] if losses else None}, train_steps=train_steps)
 
 
-def build_gemma3_pair(root: Path) -> tuple[Path, Path, dict]:
+def build_gemma3_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, dict]:
     """A float32 tiny Gemma-3 target (tied embeddings: SGLang 0.5.17's Gemma3ForCausalLM always computes logits
-    with embed_tokens) and an untrained drafter whose config carries input_embedding_scale = sqrt(hidden), as
-    tiny_drafter_config sets it for Gemma targets. Used for greedy equality only (acceptance is not the point)."""
-    return _build(root, "gemma3_", lambda target, drafter, losses: {
+    with embed_tokens) and a drafter trained like build_pair's, whose config carries input_embedding_scale =
+    sqrt(hidden) as tiny_drafter_config sets it for Gemma targets. Trained so that the server commits several
+    tokens per step, which is the only way multi-token commits through the sliding-window layers get exercised
+    (with the untrained drafter every step committed exactly 1 token). The cache name carries "trained": a stale
+    untrained build under an old name is not reused."""
+    return _build(root, "gemma3_trained_", lambda target, drafter, losses: {
         "vocab": target.config.vocab_size, "input_embedding_scale": drafter.config.input_embedding_scale,
-        "model_type": target.config.model_type}, arch="gemma3", tie_word_embeddings=True)
+        "model_type": target.config.model_type, "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None}, train_steps=train_steps, arch="gemma3",
+        tie_word_embeddings=True)

@@ -1,0 +1,58 @@
+"""Plain-torch references for the kernels in this package (same arguments, same result, no speed).
+
+``verify_attention_reference`` is the function ``verify_attention.verify_attention`` computes (see that module's
+docstring for the maths); it walks requests one at a time and computes in float32 (float64 for float64 inputs), so
+it is the yardstick for the Triton kernel on CPU (interpreter) and GPU alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_pool_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``[len(slots), heads, dim]`` of a KV pool: flat ``[slots, heads, dim]`` or ``[pages, page, heads, dim]``."""
+    if buf.dim() == 3:
+        return buf[slots]
+    page = buf.shape[1]
+    return buf[slots // page, slots % page]
+
+
+def verify_attention_reference(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
+                               sm_scale: float, causal: bool = True, window_left: int = -1, logit_cap: float = 0.0,
+                               k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+                               **_launch_only) -> torch.Tensor:
+    """Reference of ``verify_attention`` (launch-only keywords such as ``max_q_len`` / ``max_splits`` are ignored)."""
+    n_tok, hq, _ = q.shape
+    hkv, dv = k_extend.shape[1], v_extend.shape[-1]
+    group = hq // hkv
+    acc = torch.promote_types(q.dtype, torch.float32)     # float32 at least; float64 stays float64 (tests)
+    if out is None:
+        out = q.new_empty((n_tok, hq, dv))
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for b in range(len(qo) - 1):
+        q0, q1, p0, p1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
+        n_q, n_p = q1 - q0, p1 - p0
+        if n_q == 0:
+            continue
+        slots = kv_indices[p0:p1].long()
+        keys = torch.cat([gather_pool_rows(k_buffer, slots).to(acc) * k_scale, k_extend[q0:q1].to(acc)], 0)
+        vals = torch.cat([gather_pool_rows(v_buffer, slots).to(acc) * v_scale, v_extend[q0:q1].to(acc)], 0)
+        # The block's own K/V come unscaled (SGLang hands them over before any fp8 quantisation); only pool rows carry
+        # k_scale / v_scale. The kernel applies the scales to the pool reads the same way.
+        keys = keys.repeat_interleave(group, dim=1)                      # [P + L, Hq, Dk]
+        vals = vals.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].to(acc), keys) * sm_scale
+        if logit_cap and logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        q_pos = n_p + torch.arange(n_q).unsqueeze(1)                      # [L, 1]
+        k_pos = torch.arange(n_p + n_q).unsqueeze(0)                     # [1, P + L]
+        allowed = torch.ones(n_q, n_p + n_q, dtype=torch.bool)
+        if causal:
+            allowed &= k_pos <= q_pos
+        if window_left is not None and window_left >= 0:
+            allowed &= (q_pos - k_pos) <= window_left
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, vals).to(out.dtype)
+    return out

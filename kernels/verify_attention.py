@@ -1,0 +1,352 @@
+"""Paged-KV attention for a speculative verify step: B query tokens per request over its cached prefix + its own block.
+
+The function (``verify_attention``; ``reference.verify_attention_reference`` is the same function in plain torch)
+-----------------------------------------------------------------------------------------------------------------
+Request ``b`` owns query rows ``qo_indptr[b] : qo_indptr[b+1]`` (its ``L_b <= 32`` block tokens, ``L_b`` = the verify
+width B, which may differ between requests) and prefix slots ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` (its
+``P_b`` cached tokens, in order). Positions are counted from the first prefix token in ``kv_indices``: prefix key
+``j`` sits at ``j``, block token ``i`` (query or key) at ``P_b + i``. For query head ``h`` (KV head ``h // G``, ``G``
+= GQA group) of block token ``i``::
+
+    keys     K = [K_pool[kv_indices[kv_indptr[b] + j]] for j < P_b]  ++  [k_extend[qo_indptr[b] + t] for t < L_b]
+    s_ij     = sm_scale * kscale_j * <q_i, K_j>;   if logit_cap > 0:  s_ij = logit_cap * tanh(s_ij / logit_cap)
+    allowed  = (causal is False or pos(j) <= P_b + i)  and  (window_left < 0 or (P_b + i) - pos(j) <= window_left)
+    out_i    = sum_j softmax_j(s_ij over allowed j) * vscale_j * V_j
+    (kscale_j, vscale_j = k_scale, v_scale for pool keys (an fp8 pool's per-layer scales), 1 for the block's keys)
+
+This is exactly what SGLang 0.5.17's triton ``extend_attention_fwd`` computes for a TARGET_VERIFY batch without a
+custom mask (the current block's K/V come in as the separate ``k_extend`` / ``v_extend`` tensors; SGLang has also
+stored them into the pool, but ``kv_indices`` covers only the prefix). With SGLang's sliding-window metadata the
+prefix is already cut to the last ``min(P, window)`` tokens and positions are relative to that cut, as here.
+
+Why a kernel of our own: SGLang's extend kernel gives every (request, query head) its own program with a 64-128-row
+query tile of which a verify uses B (16), and walks the whole prefix serially. At B = 16 and GQA 4 that is 4x the
+K/V reads (each query head reloads its KV head's tiles) and 8x the MMA rows, in one program per head, so long
+contexts at small batch use few SMs. Here:
+
+* one query tile = the ``L_b x G`` rows of one (request, KV head): row ``r`` is block token ``r // G``, query head
+  ``kv_head * G + r % G``. Every K/V tile is loaded once for all of them (``BLOCK_M`` caps the tile; wider blocks
+  or groups take several m-blocks).
+* split-K like decode: the prefix is cut into up to ``max_splits`` chunks of at least ``SPLIT_MIN_TOKENS`` keys,
+  one program each; each writes its normalised partial output and its log-sum-exp, and ``_combine_kernel`` merges
+  them: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``. The last split also takes the block keys.
+  The split count per request is computed on the GPU from ``kv_indptr`` (no host work, CUDA-graph safe); the
+  launch grid depends only on shapes and ``max_q_len``.
+* softmax runs in base 2 (``exp2``, scores pre-multiplied by log2(e)); LSEs are base-2 throughout.
+
+Shapes (N = total query tokens = qo_indptr[-1], S = pool slots):
+    q [N, Hq, Dk]; k_extend [N, Hkv, Dk]; v_extend [N, Hkv, Dv]; out [N, Hq, Dv] (written; returned)
+    k_buffer [S, Hkv, Dk] or paged [S / page, page, Hkv, Dk]; v_buffer likewise with Dv
+    qo_indptr, kv_indptr [bs + 1] int32/int64; kv_indices [>= kv_indptr[-1]] int32/int64 (token slot ids)
+Head dims up to MAX_HEAD_DIM = 512 (any size, padded to a power of two inside), Hq = G * Hkv with G >= 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_TOKENS = 32          # largest verify width (query tokens per request) one launch accepts
+MAX_HEAD_DIM = 512             # the tile configs below keep a BLOCK_M x head_dim fp32 accumulator in registers
+MIN_TILE = 16                  # tl.dot needs every dimension >= 16
+SPLIT_MIN_TOKENS = 256         # fewest prefix keys per split (below that the reduce costs more than the split saves)
+MAX_SPLITS_CAP = 64            # upper bound on splits per request (partial-buffer size: N x Hq x splits x Dv fp32)
+WAVES_PER_SM = 2               # aim the split count at about this many programs per SM
+
+
+@triton.jit
+def _num_splits(prefix_len, window_left, max_splits: tl.constexpr, split_min: tl.constexpr):
+    """Splits used for a request and where its prefix walk starts (keys below ``lo`` are outside every window)."""
+    lo = tl.where(window_left >= 0, tl.maximum(prefix_len - window_left, 0), 0)
+    n = tl.cdiv(prefix_len - lo, split_min)
+    n = tl.minimum(tl.maximum(n, 1), max_splits)
+    return n, lo
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2 sigmoid(2x) - 1, finite for every x (no exp overflow into inf/inf)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _base2_scores(qk, scale, logit_cap, USE_CAP: tl.constexpr):
+    """Scores in base 2 (for exp2): log2(e) * s, s = scale * qk, or logit_cap * tanh(s / logit_cap) when capped.
+
+    1.4426950408889634 = log2(e) (a literal: jitted code reads only constexpr globals).
+    """
+    if USE_CAP:
+        return (logit_cap * 1.4426950408889634) * _tanh(qk * (scale / logit_cap))
+    return qk * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _verify_split_kernel(
+    Q, K_ext, V_ext, K_buf, V_buf, Out, Part_o, Part_lse,
+    qo_indptr, kv_indptr, kv_indices,
+    scale_prefix,             # sm_scale * k_scale: pool keys may be fp8 with a per-layer scale
+    scale_block,              # sm_scale: the block's keys come unquantised
+    logit_cap, v_scale, window_left,
+    stride_qt, stride_qh, stride_ket, stride_keh, stride_vet, stride_veh,
+    stride_kpage, stride_ktok, stride_kh, stride_vpage, stride_vtok, stride_vh,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_CAP: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, M_BLOCKS: tl.constexpr,
+):
+    """One program: request ``program_id(0)``, (KV head, m-block) ``program_id(1)``, split ``program_id(2)``."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1) // M_BLOCKS
+    m_block = tl.program_id(1) % M_BLOCKS
+    split = tl.program_id(2)
+
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    q_len = tl.load(qo_indptr + req + 1).to(tl.int64) - q_start
+    kv_start = tl.load(kv_indptr + req).to(tl.int64)
+    prefix_len = tl.load(kv_indptr + req + 1).to(tl.int64) - kv_start
+    n_splits, walk_lo = _num_splits(prefix_len, window_left, MAX_SPLITS, SPLIT_MIN)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP                                   # block token of each packed row
+    head = kv_head * GROUP + rows % GROUP                 # its query head
+    row_ok = tok < q_len
+    if split >= n_splits:
+        return
+    if m_block * BLOCK_M >= q_len * GROUP:      # this request's block is narrower than max_q_len
+        return
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
+                mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+    q_pos = prefix_len + tok                              # position of each row's query token
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max (base-2 scores)
+    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of 2^(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # ---- this split's share of the prefix: paged K/V, gathered through kv_indices
+    chunk = tl.cdiv(tl.cdiv(prefix_len - walk_lo, n_splits), BLOCK_N) * BLOCK_N
+    lo = walk_lo + split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        key = start + offs_n
+        key_ok = key < hi
+        slot = tl.load(kv_indices + kv_start + key, mask=key_ok, other=0).to(tl.int64)
+        if PAGE_SIZE == 1:
+            k_row = slot * stride_ktok
+            v_row = slot * stride_vtok
+        else:
+            k_row = (slot // PAGE_SIZE) * stride_kpage + (slot % PAGE_SIZE) * stride_ktok
+            v_row = (slot // PAGE_SIZE) * stride_vpage + (slot % PAGE_SIZE) * stride_vtok
+        k = tl.load(K_buf + k_row[None, :] + kv_head * stride_kh + offs_dk[:, None],
+                    mask=key_ok[None, :] & dk_ok[:, None], other=0.0)
+        s = tl.dot(q, k.to(q.dtype))
+        s = _base2_scores(s, scale_prefix, logit_cap, USE_CAP)
+        ok = row_ok[:, None] & key_ok[None, :]      # prefix keys precede every query: causality adds nothing
+        ok = ok & ((window_left < 0) | (q_pos[:, None] - key[None, :] <= window_left))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_buf + v_row[:, None] + kv_head * stride_vh + offs_dv[None, :],
+                    mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
+        m_i = m_new
+
+    # ---- the block itself (the last split): K/V of this step's tokens, causal inside the block
+    if split == n_splits - 1:
+        bt = tl.arange(0, BLOCK_Q)
+        bt_ok = bt < q_len
+        k = tl.load(K_ext + (q_start + bt)[None, :] * stride_ket + kv_head * stride_keh + offs_dk[:, None],
+                    mask=bt_ok[None, :] & dk_ok[:, None], other=0.0)
+        s = tl.dot(q, k.to(q.dtype))
+        s = _base2_scores(s, scale_block, logit_cap, USE_CAP)
+        ok = row_ok[:, None] & bt_ok[None, :]
+        if IS_CAUSAL:
+            ok = ok & (bt[None, :] <= tok[:, None])
+        ok = ok & ((window_left < 0) | (tok[:, None] - bt[None, :] <= window_left))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_ext + (q_start + bt)[:, None] * stride_vet + kv_head * stride_veh + offs_dv[None, :],
+                    mask=bt_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    # A split whose keys all fall outside the window has l_i == 0: it stores o = 0, lse = -inf (weight 0).
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    tok_row = q_start + tok
+    if MAX_SPLITS == 1:
+        tl.store(Out + tok_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    else:
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(Part_o + tok_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
+                 + offs_dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(Part_lse + tok_row * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    Out, Part_o, Part_lse, qo_indptr, kv_indptr, window_left,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+):
+    """One program per (request, block token, query head): merge the splits' partial softmaxes."""
+    req = tl.program_id(0)
+    tok = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    if tok >= tl.load(qo_indptr + req + 1) - q_start:
+        return
+    kv_start = tl.load(kv_indptr + req).to(tl.int64)
+    prefix_len = tl.load(kv_indptr + req + 1).to(tl.int64) - kv_start
+    n_splits, _ = _num_splits(prefix_len, window_left, MAX_SPLITS, SPLIT_MIN)
+    row = q_start + tok
+    offs_s = tl.arange(0, MAX_SPLITS)
+    s_ok = offs_s < n_splits
+    lse = tl.load(Part_lse + row * stride_lt + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)                       # finite: the last split holds the query's own key
+    w = tl.math.exp2(lse - m)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = tl.load(Part_o + row * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :],
+                mask=s_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + row * stride_ot + head * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)
+
+
+# --------------------------------------------------------------------------------------------------- host side
+def _pool_layout(buf: torch.Tensor, name: str):
+    """(page_size, page_stride, token_stride, head_stride) of a KV pool tensor, flat or paged."""
+    if buf.dim() == 3:          # [slots, heads, dim]: a slot id addresses a row directly, whatever SGLang's page size
+        return 1, buf.stride(0), buf.stride(0), buf.stride(1)
+    if buf.dim() == 4:          # [pages, page_size, heads, dim]: slot id = page * page_size + offset
+        return buf.shape[1], buf.stride(0), buf.stride(1), buf.stride(2)
+    raise ValueError(f"{name}: expected [slots, heads, dim] or [pages, page_size, heads, dim], got shape "
+                     f"{tuple(buf.shape)}. Fix: pass the layer's key/value buffer from the KV pool")
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tile_config(block_tokens: int, group: int, dk: int, dv: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a query tile of ``block_tokens x group`` rows.
+
+    Register budget: the fp32 accumulator is BLOCK_M x Dv and q is BLOCK_M x Dk, so wide heads get fewer rows.
+    Measured on one H100 (B = 16, benchmarks/kernel_bench.py): head dim 128 with 64 rows: 64 x 64 keys, 4 warps,
+    3 pipeline stages was 1.5-1.8x faster than 2 stages at 8-32k contexts; head dim 256: 3 stages 1.35x faster
+    than 2; head dim 512: 32 x 32, 8 warps, 2 stages beat 32 x 16, 4 warps, 3 stages by 15%.
+    """
+    widest = max(dk, dv)
+    rows = max(MIN_TILE, triton.next_power_of_2(block_tokens * group))
+    if widest <= 128:
+        return min(rows, 128), 64, (8 if rows > 64 else 4), 3
+    if widest <= 256:
+        return min(rows, 64), 32, (8 if rows > 32 else 4), 3
+    return min(rows, 32), 32, 8, 2
+
+
+def default_max_splits(device: torch.device, bs: int, kv_heads: int, m_blocks: int) -> int:
+    """Split bound from shapes alone (so a CUDA graph captured at this bs replays with the same grid)."""
+    if device.type != "cuda":
+        return 4
+    programs = bs * kv_heads * m_blocks
+    want = triton.cdiv(WAVES_PER_SM * _sm_count(device.index or 0), programs)
+    return int(min(MAX_SPLITS_CAP, triton.next_power_of_2(max(want, 1))))
+
+
+def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
+                     max_q_len: int, sm_scale: float, causal: bool = True, window_left: int = -1,
+                     logit_cap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+                     out: torch.Tensor | None = None, max_splits: int | None = None,
+                     split_min: int = SPLIT_MIN_TOKENS, tile: tuple | None = None) -> torch.Tensor:
+    """Attention of each request's block tokens over its paged prefix + its block (see the module docstring).
+
+    ``max_q_len``: an upper bound on the per-request query count (SGLang's ``max_extend_len``), <= 32.
+    ``max_splits``: split-K bound (power of two); default from the SM count and the grid (shapes only).
+    ``split_min``: fewest prefix keys per split (tests lower it to exercise the split path on short prefixes).
+    ``tile``: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of :func:`tile_config`'s (for tuning).
+    """
+    n_tok, hq, dk = q.shape
+    hkv, dv = k_extend.shape[1], v_extend.shape[-1]
+    bs = qo_indptr.shape[0] - 1
+    if not 1 <= max_q_len <= MAX_BLOCK_TOKENS:
+        raise ValueError(f"max_q_len={max_q_len}: verify_attention takes 1..{MAX_BLOCK_TOKENS} query tokens per "
+                         "request. Fix: use SGLang's extend kernel (SGLANG_DFLASH_VERIFY_ATTENTION=sglang) for wider "
+                         "blocks")
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims {dk}/{dv}: verify_attention takes up to {MAX_HEAD_DIM}. Fix: use SGLang's "
+                         "extend kernel (SGLANG_DFLASH_VERIFY_ATTENTION=sglang)")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads. Fix: pass q [N, Hq, D] and "
+                         "k_extend [N, Hkv, D] of the same layer")
+    if k_buffer.shape[-2] != hkv or k_buffer.shape[-1] != dk or v_buffer.shape[-1] != dv:
+        raise ValueError(f"KV pool shapes {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} do not match "
+                         f"k_extend {tuple(k_extend.shape)} / v_extend {tuple(v_extend.shape)}. Fix: pass this "
+                         "layer's buffers")
+    group = hq // hkv
+    page_k, kpage, ktok, kh = _pool_layout(k_buffer, "k_buffer")
+    page_v, vpage, vtok, vh = _pool_layout(v_buffer, "v_buffer")
+    if page_k != page_v:
+        raise ValueError(f"k_buffer page size {page_k} != v_buffer page size {page_v}. Fix: pass one pool's buffers")
+    if out is None:
+        out = q.new_empty((n_tok, hq, dv))
+    if bs == 0 or n_tok == 0:
+        return out
+
+    block_m, block_n, num_warps, num_stages = tile or tile_config(max_q_len, group, dk, dv)
+    m_blocks = triton.cdiv(max_q_len * group, block_m)
+    if max_splits is None:
+        max_splits = default_max_splits(q.device, bs, hkv, m_blocks)
+    if max_splits < 1 or max_splits & (max_splits - 1):
+        raise ValueError(f"max_splits={max_splits}: must be a power of two >= 1")
+    if max_splits > 1:
+        part_o = torch.empty((n_tok, hq, max_splits, dv), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n_tok, hq, max_splits), dtype=torch.float32, device=q.device)
+    else:                       # one split writes the output directly; the partial buffers are never touched
+        part_o = part_lse = out
+    window = int(window_left) if window_left is not None and window_left >= 0 else -1
+    use_cap = logit_cap is not None and logit_cap > 0
+
+    grid = (bs, hkv * m_blocks, max_splits)
+    _verify_split_kernel[grid](
+        q, k_extend, v_extend, k_buffer, v_buffer, out, part_o, part_lse,
+        qo_indptr, kv_indptr, kv_indices,
+        float(sm_scale * k_scale), float(sm_scale), float(logit_cap) if use_cap else 1.0, float(v_scale), window,
+        q.stride(0), q.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
+        kpage, ktok, kh, vpage, vtok, vh,
+        out.stride(0), out.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2) if max_splits > 1 else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, DK=dk, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_Q=max(MIN_TILE, triton.next_power_of_2(max_q_len)),
+        BLOCK_DK=max(MIN_TILE, triton.next_power_of_2(dk)), BLOCK_DV=max(MIN_TILE, triton.next_power_of_2(dv)),
+        PAGE_SIZE=page_k, IS_CAUSAL=bool(causal), USE_CAP=use_cap,
+        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if max_splits > 1:
+        _combine_kernel[(bs, max_q_len, hq)](
+            out, part_o, part_lse, qo_indptr, kv_indptr, window,
+            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            DV=dv, BLOCK_DV=triton.next_power_of_2(dv), MAX_SPLITS=max_splits, SPLIT_MIN=split_min,
+            num_warps=4 if dv <= 256 else 8,
+        )
+    return out

@@ -1,0 +1,361 @@
+"""Adaptive speculation: how many drafts to verify in the next decode step (issue #9).
+
+Terms. Block size B (the drafter's, = `--speculative-num-draft-tokens`). A step "with k drafts" verifies k + 1
+tokens [bonus, d_1..d_k] and commits 1..k+1 of them; k = 0 is a plain decode step (it still feeds the drafter's
+context, so speculation can resume at any time). `widths` are the k values the worker has a kernel / graph for.
+
+The decision (`best_width`, a pure function): maximise committed tokens per second of the whole batch,
+
+    k* = argmax_k  bs * E[commit | k] / t(bs, k)      (bs is common to every k, so it drops out of the argmax)
+
+with E[commit | k] = 1 + sum_{i<=k} prod_{j<=i} a_j from per-position conditional acceptance a_i
+(`AcceptanceStats`, an exponential moving average over verified rows) and t(bs, k) the seconds of one step
+(`StepCostTable`, measured at startup and refined online). `WidthPolicy` wraps the three with the operator
+controls (pin k, adaptivity off) and probing: while the decision is below the largest width, every so often a step
+runs at the largest width, because the statistics of positions the policy stopped verifying can only be refreshed by
+verifying them.
+
+Host-side only and deliberately light: numpy and the standard library, no torch, no SGLang. A decision costs tens of
+microseconds, and the feedback (`record`) may lag the decision by a step or two (overlap scheduling).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+
+
+# ------------------------------------------------------------------------------------------------ widths
+def parse_widths(text: str, block_size: int, name: str = "widths") -> list[int]:
+    """'0,3,7,15' -> [0, 3, 7, 15]: the verify widths (drafts per step) an operator allows.
+
+    Each must be an integer in 0..block_size-1, strictly increasing, and the list must include block_size - 1 (the
+    full block: it is the ceiling and the probing width)."""
+    top = block_size - 1
+    example = ",".join(str(k) for k in sorted({0, top // 4, top // 2, top}))
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(p == "" for p in parts):
+        raise ValueError(f"{name}={text!r}: expected a comma-separated list of draft counts such as {example!r} "
+                         f"(block size {block_size}); fix: remove empty entries")
+    try:
+        widths = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: every entry must be an integer number of drafts, "
+                         f"e.g. {example!r}") from None
+    bad = [k for k in widths if not 0 <= k <= top]
+    if bad:
+        raise ValueError(f"{name}={text!r}: {bad} outside 0..{top} (a step verifies at most block_size - 1 = {top} "
+                         f"drafts); fix: use values in 0..{top}")
+    if widths != sorted(set(widths)):
+        raise ValueError(f"{name}={text!r}: entries must be strictly increasing without repeats; "
+                         f"fix: {','.join(map(str, sorted(set(widths))))!r}")
+    if widths[-1] != top:
+        raise ValueError(f"{name}={text!r}: must include the full block {top} (block size {block_size}; it is the "
+                         f"ceiling and the probing width); fix: {','.join(map(str, widths + [top]))!r}")
+    return widths
+
+
+# ------------------------------------------------------------------------------------------------ acceptance
+class AcceptanceStats:
+    """Per-position conditional acceptance a_i = P(d_i accepted | d_1..d_{i-1} accepted), i = 1..B-1, smoothed by
+    an exponential moving average over verified rows (a prior for positions never observed).
+
+    Position i is observed by a row verified with k drafts iff i <= k and the row reached it (d_1..d_{i-1}
+    accepted, commit_len >= i); it is accepted iff commit_len >= i + 1. Rows verified with few drafts therefore say
+    nothing about later positions (censoring).
+
+    Each position keeps decayed counts (accepted, observed); every observation decays the old ones by
+    2^(-1/halflife_rows). The estimate is (accepted + prior * PRIOR_ROWS) / (observed + PRIOR_ROWS): the prior
+    counts as PRIOR_ROWS rows, so one row already moves an unobserved position most of the way.
+
+    Staleness: a position that a step does not observe keeps its estimate, but its weight decays by
+    2^(-1/stale_halflife_steps) per such step, down to stale_floor_rows rows. So a k = 0 phase does not drift back
+    to the prior (that would switch a useless drafter back on by itself), yet after it the next probe's rows count
+    against a few rows of old evidence, not hundreds: one probe row at batch size 1 can move the estimate.
+    """
+
+    PRIOR_ROWS = 1.0
+
+    def __init__(self, block_size: int, halflife_rows: float = 256.0, prior: float = 0.5,
+                 stale_halflife_steps: float = 64.0, stale_floor_rows: float = 8.0):
+        if block_size < 2:
+            raise ValueError(f"block_size={block_size}: a DFlash block has the bonus token plus at least one draft")
+        if not halflife_rows > 0:
+            raise ValueError(f"halflife_rows={halflife_rows}: must be > 0 (rows over which old evidence halves)")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior={prior}: an acceptance probability must lie in [0, 1]")
+        if not stale_halflife_steps > 0 or not stale_floor_rows >= 0:
+            raise ValueError(f"stale_halflife_steps={stale_halflife_steps}, stale_floor_rows={stale_floor_rows}: "
+                             "need a halflife > 0 and a floor >= 0")
+        self.block_size, self.halflife_rows, self.prior = block_size, float(halflife_rows), float(prior)
+        self._keep = 2.0 ** (-1.0 / self.halflife_rows)  # decay per observed row
+        self._stale_keep = 2.0 ** (-1.0 / stale_halflife_steps)  # decay per step that does not observe a position
+        self._floor = float(stale_floor_rows)
+        self._accepted = np.zeros(block_size - 1)
+        self._observed = np.zeros(block_size - 1)
+        self._expected: np.ndarray | None = None  # cache of expected_commit(), dropped on update
+        self.rows_seen = 0
+
+    def update(self, commit_lens, k: int) -> None:
+        """Feed the rows of one step verified with k drafts. commit_lens: 1-D ints in 1..k+1."""
+        if not 0 <= k < self.block_size:
+            raise ValueError(f"k={k}: drafts per step must be in 0..{self.block_size - 1}")
+        c = np.asarray(commit_lens, dtype=np.int64).reshape(-1)
+        if c.size == 0:
+            return
+        lo, hi = int(c.min()), int(c.max())
+        if lo < 1 or hi > k + 1:
+            raise ValueError(f"commit_lens in {lo}..{hi} with k={k}: a step with k drafts commits 1..{k + 1} tokens "
+                             "per row; fix: pass the k the rows were verified with")
+        self.rows_seen += int(c.size)
+        # reached[i] = rows with commit_len >= i, i = 0..k+1 (reversed cumulative count)
+        reached = np.cumsum(np.bincount(c, minlength=k + 2)[::-1])[::-1]
+        observed = np.zeros(self.block_size - 1)
+        accepted = np.zeros(self.block_size - 1)
+        observed[:k] = reached[1:k + 1]  # position i (1..k) observed iff commit_len >= i
+        accepted[:k] = reached[2:k + 2]  # ... and accepted iff commit_len >= i + 1
+        # As if the step's rows came one after another: the old counts decay once per observing row, and the new
+        # rows share the weights of n consecutive rows, (1 + keep + .. + keep^(n-1)) / n each (order-free).
+        seen = observed > 0
+        decay = self._keep ** observed
+        share = np.divide(1.0 - decay, (1.0 - self._keep) * observed, out=np.zeros_like(observed), where=seen)
+        # positions this step did not observe: same estimate, less weight (not below the floor)
+        weight = self._observed
+        stale = np.where(weight > self._floor, np.maximum(self._stale_keep, self._floor / np.maximum(weight, 1e-300)),
+                         1.0)
+        decay = np.where(seen, decay, stale)
+        self._accepted = self._accepted * decay + accepted * share
+        self._observed = self._observed * decay + observed * share
+        self._expected = None
+
+    def acceptance(self) -> np.ndarray:
+        """[B-1] a_1..a_{B-1}."""
+        return (self._accepted + self.prior * self.PRIOR_ROWS) / (self._observed + self.PRIOR_ROWS)
+
+    def expected_commit(self) -> np.ndarray:
+        """[B]: index k -> E[committed tokens | k drafts] = 1 + sum_{i<=k} prod_{j<=i} a_j."""
+        if self._expected is None:
+            self._expected = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance()))])
+        return self._expected
+
+
+
+# ------------------------------------------------------------------------------------------------ step cost
+class StepCostTable:
+    """Seconds per step t(bs, k), for the verify widths that have a kernel/graph (`widths`, k values, 0 included), at
+    measured batch sizes; interpolated linearly in bs between measured points (extrapolated linearly beyond the last),
+    refined online by an EMA.
+
+    Below the first measured batch size the first point's cost is used (a step never gets cheaper than at the
+    smallest measured batch, and a downward extrapolation could turn negative); beyond the last point the last
+    segment's slope is followed, never below the last point's cost (noise must not make large batches free).
+    """
+
+    def __init__(self, widths: Sequence[int]):
+        widths = [int(k) for k in widths]
+        if not widths or widths != sorted(set(widths)) or widths[0] < 0:
+            raise ValueError(f"widths={widths}: need non-negative draft counts, strictly increasing; "
+                             "fix: e.g. [0, 3, 7, 15]")
+        self.widths = widths
+        self._bs: dict[int, list[int]] = {k: [] for k in widths}  # sorted batch sizes per width
+        self._sec: dict[int, list[float]] = {k: [] for k in widths}
+
+    def _check(self, bs: int, k: int, seconds: float | None = None) -> None:
+        if k not in self._bs:
+            raise KeyError(f"k={k} has no step-cost entry; this table covers widths {self.widths}")
+        if bs < 1:
+            raise ValueError(f"bs={bs}: batch size must be >= 1")
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"seconds={seconds} for bs={bs}, k={k}: a step time must be finite and > 0")
+
+    def set(self, bs: int, k: int, seconds: float) -> None:
+        """A startup measurement (replaces any value at (bs, k))."""
+        self._check(bs, k, seconds)
+        xs, ys = self._bs[k], self._sec[k]
+        i = bisect.bisect_left(xs, bs)
+        if i < len(xs) and xs[i] == bs:
+            ys[i] = float(seconds)
+        else:
+            xs.insert(i, bs)
+            ys.insert(i, float(seconds))
+
+    def observe(self, bs: int, k: int, seconds: float, weight: float = 0.1) -> None:
+        """Online refinement: move the (bs, k) point toward the observation (creates the point if absent)."""
+        self._check(bs, k, seconds)
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"weight={weight}: the EMA step must lie in (0, 1]")
+        xs, ys = self._bs[k], self._sec[k]
+        i = bisect.bisect_left(xs, bs)
+        if i < len(xs) and xs[i] == bs:
+            ys[i] += weight * (float(seconds) - ys[i])
+        else:
+            xs.insert(i, bs)
+            ys.insert(i, float(seconds))
+
+    def cost(self, bs: int, k: int) -> float:
+        self._check(bs, k)
+        xs, ys = self._bs[k], self._sec[k]
+        if not xs:
+            raise ValueError(f"no step time for k={k} at any batch size; fix: set() or observe() it first "
+                             "(known() says whether every width has one)")
+        if len(xs) == 1 or bs <= xs[0]:
+            return ys[0]
+        if bs >= xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + max(slope, 0.0) * (bs - xs[-1])
+        i = bisect.bisect_right(xs, bs)  # xs[i-1] <= bs < xs[i]
+        f = (bs - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+
+    def known(self) -> bool:
+        """Every width has at least one point."""
+        return all(self._bs[k] for k in self.widths)
+
+
+# ------------------------------------------------------------------------------------------------ the decision
+def best_width(expected_commit: Sequence[float], costs: dict[int, float]) -> int:
+    """THE decision, a pure function: argmax over k in costs of expected_commit[k] / costs[k] (tokens per second per
+    request; the batch throughput is bs times that, so bs enters only through the costs). Ties -> the smaller k."""
+    if not costs:
+        raise ValueError("costs is empty: give the step time of at least one width")
+    best_k, best_rate = -1, -math.inf
+    for k in sorted(costs):
+        if not 0 <= k < len(expected_commit):
+            raise ValueError(f"k={k} outside 0..{len(expected_commit) - 1} covered by expected_commit")
+        if not costs[k] > 0:
+            raise ValueError(f"costs[{k}]={costs[k]}: a step time must be > 0")
+        rate = expected_commit[k] / costs[k]
+        if rate > best_rate:  # strict: on a tie the smaller k (cheaper, fewer wasted target FLOPs) stays
+            best_k, best_rate = k, rate
+    return best_k
+
+
+# ------------------------------------------------------------------------------------------------ the policy
+class WidthPolicy:
+    """Chooses k for each decode step; learns from the steps it is told about.
+
+    Probing: while the decision is below the largest width, every `interval` steps a step runs at the largest width
+    (its rows refresh the acceptance of positions the policy stopped verifying, e.g. after a useless phase). The
+    interval starts at `probe_every`, doubles after each probe that changes nothing, up to `probe_max_every`, and
+    resets to `probe_every` when a probe raises the decision (AcceptanceStats' staleness rule makes that possible
+    from one probe: its rows count against a few rows of old evidence, not hundreds). A probe that lowers the
+    decision does not reset the interval: probing exists to find a drafter that got better, and near a tie between
+    two widths the decision flips with every update, which would keep full-width probes (4.5 plain steps each at
+    batch 64 on an H100) frequent.
+
+    The doubling is also capped by cost: the interval never exceeds the one at which probes add `probe_budget` (1%)
+    to the step time. On the H100 table that is ~37 steps at batch 1 (a probe costs 0.37 of a plain step more than a
+    k = 0 step) and ~351 at batch 64 (3.5 plain steps more), so exploration costs about 1% at any batch size: small
+    batches keep re-checking a marginal drafter they switched off after an unlucky run of rows (without the cap it
+    stays off for up to probe_max_every steps), large batches, where a probe is expensive, probe rarely.
+    """
+
+    def __init__(self, block_size: int, widths: Sequence[int], costs: StepCostTable,
+                 stats: AcceptanceStats | None = None, pinned: int | None = None, adaptive: bool = True,
+                 probe_every: int = 16, probe_max_every: int = 1024, probe_budget: float = 0.01):
+        widths = [int(k) for k in widths]
+        if not widths or widths != sorted(set(widths)) or widths[0] < 0 or widths[-1] > block_size - 1:
+            raise ValueError(f"widths={widths}: need strictly increasing draft counts in 0..{block_size - 1} "
+                             f"(block size {block_size}); fix: e.g. parse_widths('0,3,7,{block_size - 1}', "
+                             f"{block_size})")
+        missing = [k for k in widths if k not in costs.widths]
+        if missing:
+            raise ValueError(f"widths {missing} have no entry in the step-cost table (it covers {costs.widths}); "
+                             "fix: build StepCostTable with the same widths")
+        if pinned is not None and pinned not in widths:
+            raise ValueError(f"pinned k={pinned} is not one of the widths {widths} that have a verify graph; "
+                             f"fix: pin one of {widths} or add {pinned} to the widths")
+        if stats is None:
+            stats = AcceptanceStats(block_size)
+        if stats.block_size != block_size:
+            raise ValueError(f"stats.block_size={stats.block_size} != block_size={block_size}")
+        if not 1 <= probe_every <= probe_max_every:
+            raise ValueError(f"probe_every={probe_every}, probe_max_every={probe_max_every}: need "
+                             "1 <= probe_every <= probe_max_every")
+        self.block_size, self.widths, self.costs, self.stats = block_size, widths, costs, stats
+        self.pinned, self.adaptive = pinned, adaptive
+        if not 0 < probe_budget < 1:
+            raise ValueError(f"probe_budget={probe_budget}: the fraction of step time probes may add must lie "
+                             "in (0, 1)")
+        self.probe_every, self.probe_max_every, self.probe_budget = probe_every, probe_max_every, probe_budget
+        self.top = widths[-1]
+        self.probe_interval = probe_every  # the doubling state
+        self._interval_now = probe_every  # what the last decision used: the doubling state capped by cost
+        self.probes = 0
+        self._since_probe = 0
+        # decisions the in-flight probes are judged against, oldest first (feedback may lag; bounded in case a
+        # probe's feedback never arrives)
+        self._pending: deque[int] = deque(maxlen=4)
+        self._hist = {k: 0 for k in widths}
+        self._commit_sum = {k: 0 for k in widths}
+        self._commit_rows = {k: 0 for k in widths}
+
+    def decision(self, bs: int) -> int:
+        """The throughput-optimal k for batch size bs under the current statistics (no probing, no controls)."""
+        return best_width(self.stats.expected_commit(), {k: self.costs.cost(bs, k) for k in self.widths})
+
+    def choose(self, bs: int) -> int:
+        """The k for the next step."""
+        if self.pinned is not None:
+            k = self.pinned
+        elif not self.adaptive or not self.costs.known():
+            k = self.top
+        else:
+            k = self.decision(bs)
+            if k == self.top:  # verifying everything already: nothing to probe; a later drop starts afresh
+                self._since_probe = 0
+                self.probe_interval = self._interval_now = self.probe_every
+            else:
+                self._since_probe += 1
+                self._interval_now = min(self.probe_interval, self._affordable_interval(bs, k))
+                if self._since_probe >= self._interval_now:
+                    self._since_probe = 0
+                    self._pending.append(k)
+                    self.probes += 1
+                    k = self.top
+        self._hist[k] += 1
+        return k
+
+    def _affordable_interval(self, bs: int, k: int) -> int:
+        """The shortest probe interval whose probes add at most probe_budget to the step time of a k-step run."""
+        base = self.costs.cost(bs, k)
+        return max(self.probe_every, math.ceil((self.costs.cost(bs, self.top) - base) / (self.probe_budget * base)))
+
+    def record(self, bs: int, k: int, commit_lens, seconds: float | None) -> None:
+        """Feed back a finished step: its batch size, its k, the rows' commit lengths, its wall time (None if not
+        timed). May lag the step by a step or two."""
+        if k not in self._hist:
+            raise ValueError(f"record(k={k}): not one of the widths {self.widths} this policy chooses from; "
+                             "fix: record the k that choose() returned for the step")
+        c = np.asarray(commit_lens, dtype=np.int64).reshape(-1)
+        self.stats.update(c, k)
+        if seconds is not None:
+            self.costs.observe(bs, k, seconds)
+        self._commit_sum[k] += int(c.sum())
+        self._commit_rows[k] += int(c.size)
+        if k == self.top and self._pending:  # a probe's feedback (or a full step's, when the decision rose meanwhile)
+            before = self._pending.popleft()
+            if not self.costs.known() or self.decision(bs) > before:
+                self.probe_interval = self.probe_every
+            else:
+                self.probe_interval = min(2 * self.probe_interval, self.probe_max_every)
+
+    def histogram(self) -> dict[int, int]:
+        """Chosen-k counts since start (probes included)."""
+        return dict(self._hist)
+
+    def summary(self) -> str:
+        """One log line: k histogram, mean commit per k, a_1..a_4, probe interval."""
+        hist = " ".join(f"{k}:{n}" for k, n in self._hist.items())
+        commit = " ".join(f"{k}:{self._commit_sum[k] / self._commit_rows[k]:.2f}"
+                          for k in self.widths if self._commit_rows[k])
+        a = " ".join(f"{x:.2f}" for x in self.stats.acceptance()[:4])
+        mode = (f"pinned k={self.pinned}" if self.pinned is not None else "adaptive" if self.adaptive
+                else "adaptive off")
+        return (f"dflash width ({mode}): k histogram {{{hist}}} | mean commit per k {{{commit or '-'}}} | "
+                f"a_1..a_4 {a} | probes {self.probes}, interval {self._interval_now} steps | "
+                f"rows seen {self.stats.rows_seen}")

@@ -1,0 +1,179 @@
+"""How many drafts the next step verifies: the operator's controls, the adaptive policy, and its feedback.
+
+The decision itself is the pure policy in ``sglang_dflash.adaptive`` (expected committed tokens per second from
+running per-position acceptance and a step-time table). This module feeds it without any host synchronisation:
+
+- acceptance arrives through SGLang's ``on_verify_complete_cpu`` hook, which the scheduler calls with each decode
+  step's per-request accepted-draft counts once its results are on the host anyway (one or two steps later under
+  overlap); steps are matched to it in launch order (a FIFO of what each step verified);
+- step time is a pair of CUDA events around the step (read when that hook fires, so already complete), or wall
+  time on CPU where every op is synchronous;
+- the step-time table starts empty: the first steps at each batch-size bucket try every width a few times
+  (exploration, the first try of each discarded as warm-up), then the table follows an EMA of what steps cost.
+
+Operator controls (environment, read once at startup):
+  SGLANG_DFLASH_K=k           pin the verify width to k drafts (0 = plain decode steps that keep the drafter's
+                              context current); benchmarks use it to measure each width
+  SGLANG_DFLASH_ADAPTIVE=0    no adaptivity: always the full block (SGLang's fixed behaviour)
+  SGLANG_DFLASH_WIDTHS=0,3,7,15  the k values that get CUDA graphs and that the policy may choose (default:
+                              0, 3, 7 and B-1, those below B-1 only if they fit)
+  SGLANG_DFLASH_K_SCHEDULE=15,0,3  tests: cycle through these k values step after step (forces switches)
+  SGLANG_DFLASH_LOG_EVERY_S=30  period of the policy's summary line in the server log
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ..adaptive import AcceptanceStats, StepCostTable, WidthPolicy, parse_widths
+
+logger = logging.getLogger("sglang_dflash")
+
+ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = "SGLANG_DFLASH_K", "SGLANG_DFLASH_ADAPTIVE", "SGLANG_DFLASH_WIDTHS"
+ENV_SCHEDULE, ENV_LOG_EVERY = "SGLANG_DFLASH_K_SCHEDULE", "SGLANG_DFLASH_LOG_EVERY_S"
+EXPLORE_STEPS = 3  # tries of each width per batch-size bucket before the table is trusted; the first is warm-up
+_EVENT_POOL = 512  # CUDA event pairs reused round-robin (far more than the steps in flight)
+
+
+def default_widths(block: int) -> list[int]:
+    return sorted({k for k in (0, 3, 7) if k < block - 1} | {block - 1})
+
+
+def _bucket(bs: int) -> int:
+    return 1 << max(bs - 1, 0).bit_length()  # 1, 2, 4, 8, ...: steps of similar batch size share exploration
+
+
+@dataclass(frozen=True)
+class WidthControls:
+    ks: list[int]
+    pinned: int | None
+    adaptive: bool
+    schedule: list[int] | None
+    log_every_s: float
+
+    @classmethod
+    def from_env(cls, block: int, env=os.environ) -> "WidthControls":
+        flag = env.get(ENV_ADAPTIVE, "1").strip().lower()
+        if flag not in ("0", "1", "true", "false", "on", "off"):
+            raise ValueError(f"{ENV_ADAPTIVE}={flag!r}: expected 1/0 (on/off)")
+        adaptive = flag in ("1", "true", "on")
+        ks = parse_widths(env[ENV_WIDTHS], block) if env.get(ENV_WIDTHS) else default_widths(block)
+        pinned = schedule = None
+        if env.get(ENV_SCHEDULE, "").strip():
+            schedule = [_k_value(ENV_SCHEDULE, v, block) for v in env[ENV_SCHEDULE].split(",")]
+            ks = sorted(set(schedule) | {block - 1})
+        elif env.get(ENV_PIN, "").strip():
+            pinned = _k_value(ENV_PIN, env[ENV_PIN], block)
+            ks = sorted({pinned, block - 1})  # only the widths that run get graphs (B-1: SGLang's own)
+        elif not adaptive:
+            ks = [block - 1]
+        return cls(ks=ks, pinned=pinned, adaptive=adaptive, schedule=schedule,
+                   log_every_s=float(env.get(ENV_LOG_EVERY, "30")))
+
+    def describe(self) -> str:
+        if self.schedule:
+            return f"k schedule {self.schedule} (test hook)"
+        if self.pinned is not None:
+            return f"k pinned to {self.pinned}"
+        return f"adaptive over k in {self.ks}" if self.adaptive else f"fixed k = {max(self.ks)}"
+
+
+def _k_value(name: str, text: str, block: int) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: not an integer. Fix: a number of drafts in 0..{block - 1}") from None
+    if not 0 <= k <= block - 1:
+        raise ValueError(f"{name}={k}: the drafter's block is {block}, so k must lie in 0..{block - 1}")
+    return k
+
+
+class WidthController:
+    """Chooses k per step and learns from finished steps; one per worker (one scheduler process)."""
+
+    def __init__(self, controls: WidthControls, block: int, device: str, enable_metrics: bool = False):
+        self.controls, self.block = controls, block
+        self.policy = WidthPolicy(block, controls.ks, StepCostTable(controls.ks), AcceptanceStats(block),
+                                  pinned=controls.pinned, adaptive=controls.adaptive)
+        self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> steps timed
+        self._pending: collections.deque = collections.deque()  # (bs, k, timer) per launched decode step
+        self._steps = 0
+        self._cuda = device != "cpu"
+        if self._cuda:
+            import torch
+
+            self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                            for _ in range(_EVENT_POOL)]
+        self._last_log = time.monotonic()
+        self._metric = _width_counter() if enable_metrics else None
+
+    # ---------------------------------------------------------------------------------------------- choose
+    def choose(self, bs: int) -> int:
+        c = self.controls
+        if c.schedule:
+            return c.schedule[self._steps % len(c.schedule)]
+        if c.pinned is not None or not c.adaptive or len(c.ks) == 1:
+            return self.policy.choose(bs)
+        bucket = _bucket(bs)
+        for k in c.ks:  # explore: time every width at this batch size before trusting the table
+            if self._explored[bucket, k] < EXPLORE_STEPS:
+                return k
+        return self.policy.choose(bs)
+
+    # ------------------------------------------------------------------------------------- step feedback
+    def step_begin(self):
+        if not self._cuda:
+            return time.perf_counter()
+        start, end = self._events[self._steps % _EVENT_POOL]
+        start.record()
+        return start, end
+
+    def step_end(self, bs: int, k: int, timer) -> None:
+        if self._cuda:
+            timer[1].record()
+        else:
+            timer = time.perf_counter() - timer
+        self._pending.append((bs, k, timer))
+        self._steps += 1
+        if self._metric is not None:
+            self._metric.labels(k=str(k)).inc()
+
+    def on_verify_complete(self, num_correct_drafts: list[int], batch_size: int) -> None:
+        """SGLang's host-side hook: the accepted-draft counts of the oldest unreported decode step."""
+        while self._pending:
+            bs, k, timer = self._pending.popleft()
+            if bs == batch_size:
+                break
+        else:
+            return
+        seconds = self._seconds(timer)
+        bucket = _bucket(bs)
+        self._explored[bucket, k] += 1
+        if self._explored[bucket, k] == 1:
+            seconds = None  # warm-up: first use of a width at this size (allocator, autotuning, lazy init)
+        self.policy.record(bs, k, [n + 1 for n in num_correct_drafts], seconds)
+        now = time.monotonic()
+        if now - self._last_log >= self.controls.log_every_s:
+            self._last_log = now
+            logger.info("sglang-dflash speculation: %s | %s", self.controls.describe(), self.policy.summary())
+
+    def _seconds(self, timer) -> float | None:
+        if not self._cuda:
+            return timer
+        start, end = timer
+        if not end.query():  # never expected (the results were copied after the step); skip rather than wait
+            return None
+        return start.elapsed_time(end) / 1e3
+
+
+def _width_counter():
+    """Prometheus counter of decode steps per chosen k (SGLang's /metrics, --enable-metrics)."""
+    try:
+        from prometheus_client import Counter
+    except ImportError:
+        return None
+    return Counter("sglang_dflash_verify_steps", "DFLASH decode steps by number of drafts verified (k)", ["k"])

@@ -1,0 +1,80 @@
+"""Lossless across verify-width switches: k changes from step to step inside every request (CPU server).
+
+The adaptive policy picks k (drafts verified per step, 0..B-1) for each step; k = 0 is a plain decode step that
+still writes the drafter's context. Whatever it picks, the output must be the target's. Here the test hook
+SGLANG_DFLASH_K_SCHEDULE forces k through a cycle that switches at every step (full block, plain step, short
+widths, back-to-back plain steps), on a server that also chunks prefills (16 tokens), retracts requests (a
+320-token KV pool) and reuses radix prefixes (--enable-cache-report proves the hits). Greedy outputs must equal
+the shared no-speculation baseline; sampled tokens must lie inside the target's processed support.
+The policy's decisions themselves are unit-tested in tests/test_adaptive.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.server
+pytest.importorskip("sglang")
+openai = pytest.importorskip("openai")
+if shutil.which("gcc") is None:
+    pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
+
+from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
+
+from .compare import (FLOAT32, SPEC_ARGS, assert_multi_token, assert_valid_sample, compare_greedy, generate, greedy,  # noqa: E402
+                      log_count, port, wait_all_healthy)
+from .models import random_prompts  # noqa: E402
+
+PORT = 30006
+SCHEDULE = "15,0,3,0,0,7,1,15,2,0"  # every step switches width; plain steps back to back; the full block recurs
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def servers(dflash_pair, baseline):
+    root, target, draft, info = dflash_pair
+    args = [a for a in CPU_SERVER_ARGS if a != "--disable-overlap-schedule"]
+    args[args.index("--max-total-tokens") + 1] = "320"
+    args += ["--chunked-prefill-size", "16", "--schedule-conservativeness", "0.1", "--enable-cache-report",
+             *FLOAT32, *SPEC_ARGS, "--speculative-draft-model-path", str(draft)]
+    env = cpu_server_env(root / "stub")
+    env["SGLANG_DFLASH_K_SCHEDULE"] = SCHEDULE
+    spec = launch_server(target, port(PORT), root / "spec_adaptive.log", args, env)
+    try:
+        wait_all_healthy(baseline, spec)
+        yield {"base": baseline, "spec": spec, "vocab": info["vocab"], "target": str(target)}
+    finally:
+        spec.stop()
+
+
+def test_schedule_is_in_force(servers):
+    assert log_count(servers["spec"], f"k schedule [{SCHEDULE.replace(',', ', ')}]") >= 1, (
+        "the worker did not report the forced k schedule: the test would not exercise width switches")
+
+
+def test_greedy_equal_across_switches(servers):
+    prompts = random_prompts(12, servers["vocab"], seed=71, lo=8, hi=70)
+    metas = compare_greedy(servers["base"], servers["spec"], prompts, max_tokens=MAX_TOKENS, max_workers=24,
+                           max_excused_prompts=1)
+    assert_multi_token(metas, "greedy requests under the k schedule")
+
+
+def test_radix_hit_across_switches(servers):
+    spec, base = servers["spec"], servers["base"]
+    shared = random_prompts(1, servers["vocab"], seed=72, lo=48, hi=49)[0]
+    prompts = [shared + tail for tail in random_prompts(3, servers["vocab"], seed=73, lo=3, hi=6)]
+    greedy(spec, prompts[0], MAX_TOKENS)  # puts the shared prefix into the radix cache
+    metas = compare_greedy(base, spec, prompts[1:], max_tokens=MAX_TOKENS, max_workers=4, max_excused_prompts=0)
+    hits = [m["cached_tokens"] for m in metas]
+    assert all(h >= 32 for h in hits), f"no radix hit on the shared 48-token prefix: cached_tokens {hits}"
+
+
+def test_sampled_inside_support_across_switches(servers):
+    spec, base = servers["spec"], servers["base"]
+    prompt = random_prompts(1, servers["vocab"], seed=74, lo=12, hi=13)[0]
+    for seed in (1, 2):
+        out = generate(spec, {"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 24, "temperature": 0.8, "top_p": 0.9, "min_p": 0.05, "sampling_seed": seed}})
+        assert_valid_sample(base, prompt, out["output_ids"], servers["vocab"], 0.8, 0.9, 0.05)

@@ -1,0 +1,346 @@
+"""Verify-attention kernel (``sglang_dflash.kernels``): Triton kernel == torch reference == naive dense attention.
+
+* ``test_reference_matches_naive_dense``: the reference (per-request loop reading the paged pool) against one dense
+  masked softmax over the whole batch built from the logical sequences, in float64 (catches a wrong mask, position
+  or page-address convention in the reference itself).
+* ``test_interpreted_kernel_matches_reference``: the Triton kernel under ``TRITON_INTERPRET=1`` on CPU, in a
+  subprocess (the variable must be set before triton is first imported, which another test may already have done
+  in this process), over head dims, GQA, 0-length prefixes, B = 1 and 16, ragged widths, page size 1 and 16,
+  sliding windows, softcap, non-causal blocks, split-K on and off.
+* ``test_gpu_kernel_matches_reference`` / ``..._sglang``: on CUDA only, the shapes that matter (head dims 64-512,
+  GQA 1-8, contexts 1-32k, page 1 and 16) against the reference and against SGLang's own extend kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from sglang_dflash.kernels.reference import verify_attention_reference
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch: request i has ``widths[i]`` block tokens over ``prefixes[i]`` cached tokens."""
+    name: str
+    prefixes: tuple
+    widths: tuple
+    kv_heads: int = 2
+    group: int = 2
+    dk: int = 64
+    dv: int | None = None
+    page: int = 1
+    window_left: int = -1
+    logit_cap: float = 0.0
+    causal: bool = True
+    max_splits: int = 2
+    split_min: int = 16
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.dv or self.dk
+
+
+def make_inputs(case: Case, device="cpu", dtype=torch.float32, seed=0):
+    """Logical per-request K/V scattered into a pool the way SGLang's allocator would (pages owned per request)."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, dk, dv = case.kv_heads * case.group, case.kv_heads, case.dk, case.head_dim_v
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    pages_per_req = [-(-p // case.page) for p in case.prefixes]
+    n_pages = sum(pages_per_req) + 3                      # spare pages: slots nobody owns must never be read
+    page_order = torch.randperm(n_pages, generator=gen)
+    slots, used = [], 0
+    for p, n in zip(case.prefixes, pages_per_req):
+        owned = page_order[used:used + n]
+        used += n
+        slots.append((owned[:, None] * case.page + torch.arange(case.page)).reshape(-1)[:p])
+    kv_indices = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+    k_pool = rand(n_pages * case.page, hkv, dk)
+    v_pool = rand(n_pages * case.page, hkv, dv)
+    prefix_k = [k_pool[s] for s in slots]                 # the logical sequences, read before any reshaping
+    prefix_v = [v_pool[s] for s in slots]
+    if case.page > 1:                                     # SGLang's paged layout [pages, page, heads, dim]
+        k_pool = k_pool.view(n_pages, case.page, hkv, dk)
+        v_pool = v_pool.view(n_pages, case.page, hkv, dv)
+    n_tok = sum(case.widths)
+    qo = torch.tensor([0] + list(case.widths)).cumsum(0).to(torch.int32)
+    kvp = torch.tensor([0] + list(case.prefixes)).cumsum(0).to(torch.int32)
+    tensors = dict(q=rand(n_tok, hq, dk), k_extend=rand(n_tok, hkv, dk), v_extend=rand(n_tok, hkv, dv),
+                   k_buffer=k_pool, v_buffer=v_pool, qo_indptr=qo, kv_indptr=kvp, kv_indices=kv_indices.long())
+    tensors = {k: t.to(device) for k, t in tensors.items()}
+    logical = dict(prefix_k=prefix_k, prefix_v=prefix_v)
+    kwargs = dict(sm_scale=dk ** -0.5, causal=case.causal, window_left=case.window_left, logit_cap=case.logit_cap)
+    return tensors, logical, kwargs
+
+
+def naive_dense_attention(tensors, logical, case: Case, sm_scale):
+    """One float64 softmax over [all queries x all keys of the batch], masked to (own request, causal, window)."""
+    keys, vals, key_req, key_pos = [], [], [], []
+    qo = tensors["qo_indptr"].tolist()
+    for b, (p, w) in enumerate(zip(case.prefixes, case.widths)):
+        keys += [logical["prefix_k"][b], tensors["k_extend"][qo[b]:qo[b + 1]]]
+        vals += [logical["prefix_v"][b], tensors["v_extend"][qo[b]:qo[b + 1]]]
+        key_req += [b] * (p + w)
+        key_pos += list(range(p + w))
+    k = torch.cat(keys).double().repeat_interleave(case.group, 1)
+    v = torch.cat(vals).double().repeat_interleave(case.group, 1)
+    q_req = torch.tensor([b for b, w in enumerate(case.widths) for _ in range(w)])
+    q_pos = torch.tensor([p + i for p, w in zip(case.prefixes, case.widths) for i in range(w)])
+    key_req, key_pos = torch.tensor(key_req), torch.tensor(key_pos)
+    allowed = q_req[:, None] == key_req[None, :]
+    if case.causal:
+        allowed &= key_pos[None, :] <= q_pos[:, None]
+    if case.window_left >= 0:
+        allowed &= q_pos[:, None] - key_pos[None, :] <= case.window_left
+    s = torch.einsum("qhd,khd->hqk", tensors["q"].double(), k) * sm_scale
+    if case.logit_cap > 0:
+        s = case.logit_cap * torch.tanh(s / case.logit_cap)
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+# Small enough for Triton's interpreter (seconds in all), wide enough to reach every branch of the kernel.
+INTERPRETER_CASES = [
+    Case("d64_g1_B1_empty_prefix", prefixes=(0, 37), widths=(1, 1), group=1, max_splits=1),
+    Case("d64_g2_B4_splits", prefixes=(5, 70), widths=(4, 4), max_splits=4),
+    Case("d128_g4_B16_page16", prefixes=(0, 50), widths=(16, 16), dk=128, group=4, kv_heads=1, page=16),
+    Case("d64_g8_B16_one_split", prefixes=(33,), widths=(16,), group=8, kv_heads=1, max_splits=1),
+    Case("d64_ragged_widths", prefixes=(20, 3, 45), widths=(7, 1, 16), group=2, max_splits=2),
+    Case("d96_window", prefixes=(60, 10), widths=(8, 8), dk=96, window_left=12, max_splits=4),
+    Case("d64_window_page16", prefixes=(40,), widths=(16,), page=16, window_left=20, max_splits=2),
+    Case("d64_softcap_noncausal", prefixes=(30, 0), widths=(8, 8), logit_cap=5.0, causal=False),
+    Case("d256_dv128_g2", prefixes=(24,), widths=(4,), dk=256, dv=128, kv_heads=1),
+    Case("d512_g2_B16", prefixes=(20,), widths=(16,), dk=512, kv_heads=1, max_splits=2),
+]
+
+
+def _run_interpreter_cases() -> dict:
+    from sglang_dflash.kernels.verify_attention import verify_attention
+
+    errors = {}
+    for case in INTERPRETER_CASES:
+        tensors, _, kwargs = make_inputs(case)
+        got = verify_attention(**tensors, **kwargs, max_q_len=max(case.widths), max_splits=case.max_splits,
+                               split_min=case.split_min)
+        want = verify_attention_reference(**tensors, **kwargs)
+        errors[case.name] = (got.double() - want.double()).abs().max().item()
+    return errors
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES + [
+    Case("d64_noncausal_window_page16", prefixes=(40, 7), widths=(5, 16), page=16, window_left=9, causal=False),
+], ids=lambda c: c.name)
+def test_reference_matches_naive_dense(case):
+    tensors, logical, kwargs = make_inputs(case, dtype=torch.float64)
+    got = verify_attention_reference(**tensors, **kwargs)
+    want = naive_dense_attention(tensors, logical, case, kwargs["sm_scale"])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: c.name)
+def test_interpreted_kernel_matches_reference(case, interpreter_errors):
+    assert interpreter_errors[case.name] < 1e-4, f"{case.name}: max |kernel - reference| = " \
+                                                 f"{interpreter_errors[case.name]:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------------ plug-in
+class _Mode:
+    def __init__(self, verify):
+        self.verify = verify
+
+    def is_target_verify(self):
+        return self.verify
+
+
+class _Algo:
+    def __init__(self, dflash):
+        self.dflash = dflash
+
+    def is_dflash(self):
+        return self.dflash
+
+
+class _Backend:
+    """Stands in for TritonAttnBackend: forward_extend calls whatever self.extend_attention_fwd is at that moment."""
+
+    def __init__(self):
+        self.sglang_calls = 0
+        self.extend_attention_fwd = self._sglang_extend
+
+    def _sglang_extend(self, *args, **kwargs):
+        self.sglang_calls += 1
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self.seen = self.extend_attention_fwd
+        return "done"
+
+
+class _Batch:
+    def __init__(self, verify=True, dflash=True):
+        self.forward_mode, self.spec_algorithm = _Mode(verify), _Algo(dflash)
+
+
+@pytest.mark.parametrize("verify,dflash,env,ours", [
+    (True, True, None, True), (True, True, "ours", True), (True, True, "sglang", False),
+    (False, True, None, False), (True, False, None, False),
+])
+def test_hook_swaps_in_our_kernel_only_for_dflash_verify(monkeypatch, verify, dflash, env, ours):
+    from sglang_dflash.serving.verify_kernel import KERNEL_ENV, _Dispatch, triton_forward_extend
+
+    if env is None:
+        monkeypatch.delenv(KERNEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KERNEL_ENV, env)
+    backend = _Backend()
+    original_fn = backend.extend_attention_fwd
+    assert triton_forward_extend(_Backend.forward_extend, backend, None, None, None, None,
+                                 _Batch(verify, dflash)) == "done"
+    assert isinstance(backend.seen, _Dispatch) is ours
+    assert backend.extend_attention_fwd == original_fn, "the hook must put SGLang's function back"
+
+
+def test_hook_rejects_unknown_switch(monkeypatch):
+    from sglang_dflash.serving.verify_kernel import KERNEL_ENV, triton_forward_extend
+
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="fast"):
+        triton_forward_extend(_Backend.forward_extend, _Backend(), None, None, None, None, _Batch())
+
+
+def _extend_args(case: Case, tensors, custom_mask=None):
+    """Positional arguments as TritonAttnBackend.forward_extend passes them to extend_attention_fwd."""
+    t = tensors
+    out = torch.empty(t["q"].shape[0], t["q"].shape[1], case.head_dim_v)
+    return (t["q"], t["k_extend"], t["v_extend"], out, t["k_buffer"], t["v_buffer"], t["qo_indptr"], t["kv_indptr"],
+            t["kv_indices"], custom_mask, case.causal, None, max(case.widths), 1.0, 1.0), out
+
+
+def test_dispatch_maps_sglang_arguments_onto_ours(monkeypatch):
+    """SGLang's argument list reaches verify_attention as the same function (window, cap, causal, scale, out)."""
+    import sglang_dflash.kernels.verify_attention as va
+    from sglang_dflash.serving.verify_kernel import extend_compatible_verify
+
+    case = Case("map", prefixes=(9, 4), widths=(5, 5), window_left=6, logit_cap=7.0, causal=False)
+    tensors, _, kwargs = make_inputs(case)
+    monkeypatch.setattr(va, "verify_attention", verify_attention_reference)   # same contract, runs on CPU
+    args, out = _extend_args(case, tensors)
+    got = extend_compatible_verify(pytest.fail, *args, sm_scale=kwargs["sm_scale"], logit_cap=case.logit_cap,
+                                   sliding_window_size=case.window_left, page_size=1)
+    assert got is out
+    torch.testing.assert_close(out, verify_attention_reference(**tensors, **kwargs))
+
+
+@pytest.mark.parametrize("extra", [dict(custom_mask=True), dict(sinks=torch.zeros(4)), dict(xai_temperature_len=8),
+                                   dict(skip_prefix=True), dict(max_len=40)], ids=lambda e: next(iter(e)))
+def test_dispatch_leaves_what_it_cannot_serve_to_sglang(monkeypatch, extra):
+    import sglang_dflash.kernels.verify_attention as va
+    from sglang_dflash.serving.verify_kernel import extend_compatible_verify
+
+    case = Case("defer", prefixes=(3,), widths=(4,))
+    tensors, _, _ = make_inputs(case)
+    monkeypatch.setattr(va, "verify_attention", lambda *a, **k: pytest.fail("our kernel ran"))
+    args, _ = _extend_args(case, tensors, torch.ones(1, dtype=torch.bool) if extra.pop("custom_mask", 0) else None)
+    if "max_len" in extra:
+        args = args[:12] + (extra.pop("max_len"),) + args[13:]
+    calls = []
+    extend_compatible_verify(lambda *a, **k: calls.append(1), *args, **extra)
+    assert calls == [1]
+
+
+def test_dispatch_signature_is_sglangs_extend_signature():
+    """The stand-in must accept exactly SGLang's extend_attention_fwd arguments (guards an SGLang upgrade)."""
+    import inspect
+
+    extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    from sglang_dflash.serving.verify_kernel import extend_compatible_verify
+
+    ours = list(inspect.signature(extend_compatible_verify).parameters)[1:]          # minus sglang_fn
+    assert ours == list(inspect.signature(extend.extend_attention_fwd).parameters)
+
+
+def test_triton_backend_reaches_extend_through_the_attribute_we_swap():
+    """forward_extend must call ``self.extend_attention_fwd(...)``: that attribute is what the hook redirects."""
+    import inspect
+
+    backend = pytest.importorskip("sglang.srt.layers.attention.triton_backend")
+    source = inspect.getsource(backend.TritonAttnBackend.forward_extend)
+    assert "self.extend_attention_fwd(" in source
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs a CUDA GPU")
+BF16_ATOL = 2e-2      # bf16 inputs, fp32 accumulation: observed error ~4e-3 at 32k keys
+
+
+def gpu_cases():
+    """Head dims 64-512 x GQA 1-8 x contexts 1-32k x page 1/16 (a spread, not the full product)."""
+    cases = []
+    for dk, group, kv_heads in ((64, 1, 8), (128, 4, 8), (128, 8, 4), (256, 2, 8), (512, 8, 2)):
+        for ctx in (1, 1000, 32768):
+            for page in (1, 16):
+                bs = 1 if ctx > 8192 else 4
+                cases.append(Case(f"d{dk}_g{group}_ctx{ctx}_p{page}", prefixes=(ctx,) * bs, widths=(16,) * bs,
+                                  kv_heads=kv_heads, group=group, dk=dk, page=page, max_splits=None,
+                                  split_min=256))
+    cases.append(Case("d256_window1024_ctx4000", prefixes=(4000, 900), widths=(16, 16), dk=256, kv_heads=8,
+                      group=2, window_left=1023, max_splits=None, split_min=256))
+    cases.append(Case("d128_ragged_B1_B32", prefixes=(5000, 17, 0), widths=(1, 32, 9), dk=128, kv_heads=8, group=4,
+                      max_splits=None, split_min=256))
+    cases.append(Case("d128_softcap_noncausal", prefixes=(3000,), widths=(16,), dk=128, kv_heads=8, group=4,
+                      logit_cap=30.0, causal=False, max_splits=None, split_min=256))
+    return cases
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", gpu_cases(), ids=lambda c: c.name)
+def test_gpu_kernel_matches_reference(case):
+    from sglang_dflash.kernels.verify_attention import verify_attention
+
+    tensors, _, kwargs = make_inputs(case, device="cuda", dtype=torch.bfloat16)
+    got = verify_attention(**tensors, **kwargs, max_q_len=max(case.widths), max_splits=case.max_splits)
+    want = verify_attention_reference(**tensors, **kwargs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=BF16_ATOL)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", [c for c in gpu_cases() if c.page == 1 and c.logit_cap == 0], ids=lambda c: c.name)
+def test_gpu_kernel_matches_sglang(case):
+    """Same inputs through SGLang's triton extend kernel: the function we replace, called as its backend calls it."""
+    extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    from sglang_dflash.kernels.verify_attention import verify_attention
+
+    tensors, _, kwargs = make_inputs(case, device="cuda", dtype=torch.bfloat16)
+    got = verify_attention(**tensors, **kwargs, max_q_len=max(case.widths))
+    want = torch.empty_like(got)
+    t = tensors
+    extend.extend_attention_fwd(t["q"], t["k_extend"], t["v_extend"], want, t["k_buffer"], t["v_buffer"],
+                                t["qo_indptr"], t["kv_indptr"], t["kv_indices"], None, case.causal, None,
+                                max(case.widths), 1.0, 1.0, kwargs["sm_scale"], logit_cap=case.logit_cap,
+                                sliding_window_size=case.window_left)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=BF16_ATOL)
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    # Child of interpreter_errors(): TRITON_INTERPRET=1 is in the environment before anything imports triton.
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
+    torch.set_num_threads(1)
+    print(json.dumps(_run_interpreter_cases()))

@@ -1,0 +1,109 @@
+"""The algorithm-level tests prove their own power: each test here plants one plausible bug into the REAL code (a
+one-line edit of the function's own source, compiled and monkeypatched in for the duration of the test) and asserts
+that the real test body fails on it. If a mutation site disappears from the source, `plant` fails loudly: move the
+mutation to the new code rather than deleting the test.
+
+Not planted, on purpose: "residual not renormalised". sample_from_probs draws argmax(p / E), which is invariant to
+scaling p, so the unnormalised residual yields the same tokens: an equivalent mutant, not a bug.
+"""
+
+import inspect
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import test_acceptance as acceptance_tests
+import test_drafter as drafter_tests
+import test_reference_engine as engine_tests
+from sglang_dflash import acceptance, drafter
+from sglang_dflash.reference import engine
+
+
+def plant(monkeypatch, owner, name: str, old: str, new: str) -> None:
+    """Replace `old` by `new` (once) in the source of owner.name, compile it with the original globals and patch it
+    in, on the owner and on every module that imported the same function by name."""
+    original = getattr(owner, name)
+    src = textwrap.dedent(inspect.getsource(inspect.unwrap(original)))  # decorators stay in the source
+    assert src.count(old) == 1, f"mutation site {old!r} is not in {owner.__name__}.{name} exactly once: update it"
+    namespace = dict(inspect.unwrap(original).__globals__)
+    exec(compile(src.replace(old, new), inspect.getsourcefile(inspect.unwrap(original)), "exec"), namespace)
+    mutant = namespace[name]
+    monkeypatch.setattr(owner, name, mutant)
+    for module in list(sys.modules.values()):
+        mod_name = getattr(module, "__name__", "")
+        if (mod_name.startswith("sglang_dflash") or mod_name.startswith("test_")) \
+                and getattr(module, name, None) is original:
+            monkeypatch.setattr(module, name, mutant)
+
+
+# ---------------------------------------------------------------- verify_sampled on its own (test_acceptance.py)
+VERIFY_BUGS = {
+    "accepts 15% too often": ("u < p_draft", "u < 1.15 * p_draft", "first token"),
+    "bonus loses the last draft's mass": ("torch.where(rejected,", "torch.where(rejected | True,", "bonus"),
+    "replacement keeps the rejected draft's mass": (
+        "torch.zeros_like(p_next[rows, rejected_draft])", "p_next[rows, rejected_draft]", "equal to its rejected draft"),
+    "bonus from the last draft's row": ("target_probs[rows, accepted]", "target_probs[rows, accepted.clamp(max=b - 2)]",
+                                        "bonus"),
+}
+
+
+@pytest.mark.parametrize("bug", list(VERIFY_BUGS))
+def test_verify_distribution_test_catches(monkeypatch, bug):
+    old, new, role = VERIFY_BUGS[bug]
+    plant(monkeypatch, acceptance, "verify_sampled", old, new)
+    with pytest.raises(AssertionError, match=role):
+        acceptance_tests.test_verify_sampled_emits_target_distribution()
+
+
+# ---------------------------------------------------------------- the engine (test_reference_engine.py)
+ENGINE_BUGS = {  # bug: (owner, function, old source, new source, SAMPLED index, the role whose check must fail)
+    # the verify step samples at temperature 1 whatever the request asked (the prefill sample stays right)
+    "verify ignores temperature": (engine.ReferenceEngine, "_verify", "processed_probs(logits.view(n * b, v), s)",
+                                   "processed_probs(logits.view(n * b, v), SamplingTensors("
+                                   "(s.temperature > 0).float(), s.top_k, s.top_p, s.min_p))", 0, "d_1"),
+    "verify ignores top-k / top-p / min-p": (engine.ReferenceEngine, "_verify",
+                                             "processed_probs(logits.view(n * b, v), s)",
+                                             "processed_probs(logits.view(n * b, v), s, filtered=False)", 1, "d_1"),
+    "accepts 15% too often": (acceptance, "verify_sampled", "u < p_draft", "u < 1.15 * p_draft", 0, "d_1"),
+    "replacement keeps the rejected draft's mass": (acceptance, "verify_sampled",
+                                                    "torch.zeros_like(p_next[rows, rejected_draft])",
+                                                    "p_next[rows, rejected_draft]", 0, "d_1"),
+    "bonus loses the last draft's mass": (acceptance, "verify_sampled", "torch.where(rejected,",
+                                          "torch.where(rejected | True,", 0, "bonus"),
+    "bonus from the last draft's row": (acceptance, "verify_sampled", "target_probs[rows, accepted]",
+                                        "target_probs[rows, accepted.clamp(max=b - 2)]", 0, "bonus"),
+    # the target cache keeps the KV of the first rejected draft: the next step conditions on a token never emitted
+    "cache keeps a rejected token": (engine.ReferenceEngine, "_speculative_step", "r.cache.crop(r.fed + n)",
+                                     "r.cache.crop(r.fed + n + 1)", 0, "d_1"),
+}
+
+
+@pytest.mark.parametrize("bug", list(ENGINE_BUGS))
+def test_engine_distribution_test_catches(monkeypatch, bug):
+    """300 requests instead of the test's 1,500 keep this fast (~0.5 s each); every bug still fails its role far
+    below the 1e-4 threshold (largest p-value seen: 5e-9, accepting 15% too often, at d_1)."""
+    owner, name, old, new, params, role = ENGINE_BUGS[bug]
+    engine_tests.markov_pair()  # train outside the mutation
+    plant(monkeypatch, owner, name, old, new)
+    with pytest.raises(AssertionError, match=f"do not follow the target.*{role}"):
+        engine_tests.test_sampled_output_follows_target_distribution(engine_tests.SAMPLED[params], n_requests=300)
+
+
+# ---------------------------------------------------------------- the drafter and the greedy baseline
+def test_context_test_catches_first_layer_only_injection(monkeypatch):
+    """EAGLE-style injection: only the first draft layer sees the target's context (the others get zeros)."""
+    plant(monkeypatch, drafter.DFlashDrafter, "forward",
+          "x = layer(x, context,", "x = layer(x, context if layer is self.layers[0] else 0 * context,")
+    with pytest.raises(AssertionError, match="layer 2 ignores the context"):
+        drafter_tests.test_context_reaches_every_layer()
+
+
+@pytest.mark.parametrize("arch", engine_tests.ARCHS)
+def test_no_cache_recompute_catches_a_decode_position_bug(monkeypatch, arch):
+    """The cached decode step feeds its token one position too far (RoPE sees a gap after the prompt)."""
+    plant(monkeypatch, engine.ReferenceEngine, "generate_target_only",
+          "self.target.forward([r.out[-1]], r.fed, r.cache)", "self.target.forward([r.out[-1]], r.fed + 1, r.cache)")
+    with pytest.raises(AssertionError, match="cached greedy != no-cache recompute"):
+        engine_tests.test_target_only_greedy_equals_no_cache_recompute(arch)
