@@ -84,6 +84,19 @@ def _base2_scores(qk, scale, logit_cap, USE_CAP: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(s, v, v_scale, m_i, l_i, acc, dtype: tl.constexpr):
+    """Fold one tile of base-2 scores s [M, N] (masked entries -inf) and values v [N, Dv] into the running max m_i,
+    normaliser l_i and output acc. A row with every score -inf so far keeps m = -inf (exp2 of -inf - 0 = 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype)) * v_scale
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _verify_split_kernel(
     Q, K_ext, V_ext, K_buf, V_buf, Out, Part_o, Part_lse,
     qo_indptr, kv_indptr, kv_indices,
@@ -152,16 +165,9 @@ def _verify_split_kernel(
         s = _base2_scores(s, scale_prefix, logit_cap, USE_CAP)
         ok = row_ok[:, None] & key_ok[None, :]      # prefix keys precede every query: causality adds nothing
         ok = ok & ((window_left < 0) | (q_pos[:, None] - key[None, :] <= window_left))
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_buf + v_row[:, None] + kv_head * stride_vh + offs_dv[None, :],
                     mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(tl.where(ok, s, float("-inf")), v, v_scale, m_i, l_i, acc, q.dtype)
 
     # ---- the block itself (the last split): K/V of this step's tokens, causal inside the block
     if split == n_splits - 1:
@@ -175,16 +181,9 @@ def _verify_split_kernel(
         if IS_CAUSAL:
             ok = ok & (bt[None, :] <= tok[:, None])
         ok = ok & ((window_left < 0) | (tok[:, None] - bt[None, :] <= window_left))
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_ext + (q_start + bt)[:, None] * stride_vet + kv_head * stride_veh + offs_dv[None, :],
                     mask=bt_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(tl.where(ok, s, float("-inf")), v, 1.0, m_i, l_i, acc, q.dtype)
 
     # A split whose keys all fall outside the window has l_i == 0: it stores o = 0, lse = -inf (weight 0).
     has_keys = l_i > 0.0

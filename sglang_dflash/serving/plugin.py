@@ -32,12 +32,17 @@ _SPEC_EXTRAS = "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras
 _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 
 
-def selected_worker() -> str:
-    value = os.environ.get(WORKER_ENV, "ours").strip().lower() or "ours"
-    if value not in _CHOICES:
-        raise ValueError(f"{WORKER_ENV}={value!r}: unknown worker. Fix: set it to one of {_CHOICES} "
-                         "(or unset it for ours)")
+def env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
+    """The value of a switch variable among ``choices`` (the first is the default, also when unset or empty)."""
+    value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: unknown {what}. Fix: set it to one of {choices} "
+                         f"(or unset it for {choices[0]})")
     return value
+
+
+def selected_worker() -> str:
+    return env_choice(WORKER_ENV, _CHOICES, "worker")
 
 
 def register() -> None:

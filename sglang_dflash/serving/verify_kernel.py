@@ -23,9 +23,10 @@ naming it.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from .plugin import env_choice
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -35,11 +36,7 @@ _logged: set[str] = set()
 
 
 def selected_kernel() -> str:
-    value = os.environ.get(KERNEL_ENV, "ours").strip().lower() or "ours"
-    if value not in _CHOICES:
-        raise ValueError(f"{KERNEL_ENV}={value!r}: unknown verify attention kernel. Fix: set it to one of {_CHOICES} "
-                         "(or unset it for ours)")
-    return value
+    return env_choice(KERNEL_ENV, _CHOICES, "verify attention kernel")
 
 
 def _log_once(level: int, message: str, *args) -> None:

@@ -201,7 +201,7 @@ class DFlashWorker(BaseSpecWorker):
         if k > 0:
             with _phase("dflash.draft"):
                 drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
-                                     bs)[:, :k]
+                                     bs, k)
             verify_ids[:, 1:] = drafts
         else:
             drafts = verify_ids[:, 1:]  # [bs, 0]
@@ -252,7 +252,8 @@ class DFlashWorker(BaseSpecWorker):
             return None, None
         return lens, int(lens.sum())
 
-    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs):
+    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k):
+        """Greedy drafts [bs, k] for block positions 1..k (the pass itself always covers the whole block)."""
         seq_lens_cpu, seq_lens_sum = host_lens
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
@@ -264,8 +265,9 @@ class DFlashWorker(BaseSpecWorker):
             hidden = self.draft_runner.forward(fb).logits_output.hidden_states
         # Contiguous 2-D rows for the lm_head: a strided 3-D view sent cuBLAS to a kernel 20x slower (profiled:
         # 14 ms of a 38 ms step at bs=32 on an 8B-shaped pair).
-        hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:].reshape(bs * (self.block - 1), -1)
-        return self.draft_model.draft_logits(hidden).argmax(dim=-1).view(bs, self.block - 1)
+        # Only the k rows that will be verified go through the lm_head (its [V, H] read dominates at small batch).
+        hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:k + 1].reshape(bs * k, -1)
+        return self.draft_model.draft_logits(hidden).argmax(dim=-1).view(bs, k)
 
     def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs, width):
         vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),
