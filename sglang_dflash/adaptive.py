@@ -211,6 +211,10 @@ class StepCostTable:
         f = (bs - xs[i - 1]) / (xs[i] - xs[i - 1])
         return ys[i - 1] + f * (ys[i] - ys[i - 1])
 
+    def has(self, k: int) -> bool:
+        """Width k has at least one point."""
+        return bool(self._bs.get(k))
+
     def known(self) -> bool:
         """Every width has at least one point."""
         return all(self._bs[k] for k in self.widths)

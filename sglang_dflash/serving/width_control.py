@@ -10,6 +10,8 @@ running per-position acceptance and a step-time table). This module feeds it wit
   time on CPU where every op is synchronous;
 - the step-time table starts empty: the first steps at each batch-size bucket try every width a few times
   (exploration, the first try of each discarded as warm-up), then the table follows an EMA of what steps cost.
+  A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a useless
+  drafter, timing k = 15 at batch 128 costs ~5 plain steps per try, which a short run never earns back.
 
 Operator controls (environment, read once at startup):
   SGLANG_DFLASH_K=k           pin the verify width to k drafts (0 = plain decode steps that keep the drafter's
@@ -36,6 +38,12 @@ logger = logging.getLogger("sglang_dflash")
 ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = "SGLANG_DFLASH_K", "SGLANG_DFLASH_ADAPTIVE", "SGLANG_DFLASH_WIDTHS"
 ENV_SCHEDULE, ENV_LOG_EVERY = "SGLANG_DFLASH_K_SCHEDULE", "SGLANG_DFLASH_LOG_EVERY_S"
 EXPLORE_STEPS = 3  # tries of each width per batch-size bucket before the table is trusted; the first is warm-up
+# Exploration at a new bucket skips width k when its estimated rate (expected commit over the cost interpolated
+# from other buckets) is below this fraction of k = 0's. The cost of a wide step relative to a plain one grows with
+# the batch (the verify turns compute-bound), so the estimate from smaller buckets is optimistic for k > 0 and a
+# 10% margin covers timing noise.
+EXPLORE_MARGIN = 0.9
+USELESS_GAIN = 0.02  # E[commit | k] <= 1 + this: no width can pay (none costs less than a plain step), skip timing
 _EVENT_POOL = 512  # CUDA event pairs reused round-robin (far more than the steps in flight)
 
 
@@ -119,10 +127,25 @@ class WidthController:
         if c.pinned is not None or not c.adaptive or len(c.ks) == 1:
             return self.policy.choose(bs)
         bucket = _bucket(bs)
-        for k in c.ks:  # explore: time every width at this batch size before trusting the table
-            if self._explored[bucket, k] < EXPLORE_STEPS:
+        for k in c.ks:  # explore: time every width that could win at this batch size before trusting the table
+            if self._explored[bucket, k] < EXPLORE_STEPS and self._worth_timing(bs, k):
                 return k
         return self.policy.choose(bs)
+
+    def _worth_timing(self, bs: int, k: int) -> bool:
+        """Whether exploring width k at this batch size could change a decision. k = 0 is always timed (the
+        reference every other width is judged against). A wider step never costs less than a plain one, so
+        E[commit | k] ~ 1 can never pay; and once the table has k and 0 at other batch sizes, an interpolated rate far
+        below k = 0's is not worth several expensive tries (a probe still revisits it if the drafter improves)."""
+        if k == 0:
+            return True
+        expected = self.policy.stats.expected_commit()
+        if expected[k] <= 1.0 + USELESS_GAIN:
+            return False
+        costs = self.policy.costs
+        if costs.has(k) and costs.has(0):
+            return expected[k] / costs.cost(bs, k) >= EXPLORE_MARGIN * expected[0] / costs.cost(bs, 0)
+        return True
 
     # ------------------------------------------------------------------------------------- step feedback
     def step_begin(self):
@@ -136,7 +159,7 @@ class WidthController:
         if self._cuda:
             timer[1].record()
         else:
-            timer = time.perf_counter() - timer
+            timer = (timer, time.perf_counter())
         self._pending.append((bs, k, timer))
         self._steps += 1
         if self._metric is not None:
@@ -162,9 +185,9 @@ class WidthController:
             logger.info("sglang-dflash speculation: %s | %s", self.controls.describe(), self.policy.summary())
 
     def _seconds(self, timer) -> float | None:
-        if not self._cuda:
-            return timer
         start, end = timer
+        if not self._cuda:
+            return end - start
         if not end.query():  # never expected (the results were copied after the step); skip rather than wait
             return None
         return start.elapsed_time(end) / 1e3
