@@ -9,10 +9,19 @@
 # Results: $OUT/<name>.tar.gz (JSON, greedy outputs, server logs) and $OUT/summary.md, also when the call's
 # deadline (DEADLINE_S, default 560) stops the driver early. COMMON_ARGS replaces the driver's launch_server
 # arguments for every method (default: benchmarks/driver.py DEFAULT_COMMON).
+# The device tool kills a call at its limit (600 s, or less when the session's device time is nearly spent) and
+# then returns only what is under $OUT: while the driver runs, RUN is mirrored into $OUT/partial every 15 s, so a
+# call cut short still brings back every method that finished. Keep DEADLINE_S >= 60 s under the call's limit_s.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
 RUN=${RUN:-/tmp/bench-run}
 SHAPE=${SHAPE:-qwen3-8b}
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$RUN" "$OUT/partial"
+  ( while sleep 15; do cp -r "$RUN"/. "$OUT/partial/" 2>/dev/null; done ) &
+  MIRROR=$!
+  trap 'kill $MIRROR 2>/dev/null' EXIT
+fi
 [ -d "/tmp/shape-$SHAPE" ] || python3 -m sglang_dflash.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
 timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" \
   --draft "/tmp/shape-$SHAPE/draft" --dummy --methods "${METHODS:-none,builtin,ours}" --out "$RUN" \
@@ -23,6 +32,7 @@ timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp
 rc=$?
 python3 -m benchmarks.report "$RUN" --title "$SHAPE-shaped random weights: step cost" >/dev/null 2>&1
 if [ -n "${OUT:-}" ]; then
+  kill "$MIRROR" 2>/dev/null; rm -rf "$OUT/partial"
   tar czf "$OUT/${TAR_NAME:-run}.tar.gz" -C "$RUN" . && cp "$RUN/summary.md" "$OUT/" 2>/dev/null
   cat "$RUN/summary.md" 2>/dev/null
 fi
