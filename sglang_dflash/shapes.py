@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -134,6 +135,14 @@ def _gemma4_text(**kw) -> dict[str, Any]:
     return d
 
 
+_GEMMA4_NAMING_NOTE = (
+    "target/config.json is written in SGLang's Gemma-4 naming (sglang_text_config): the published checkpoint is "
+    "Gemma4ForConditionalGeneration, whose text_config SGLang 0.5.17 renames on load (base head_dim / "
+    "num_key_value_heads = full layers, swa_* = sliding layers; utils/hf_transformers/config.py); served as the "
+    "text-only Gemma4ForCausalLM it gets no such renaming, so the file carries it (without it SGLang's KV pool "
+    "fails on the missing swa_num_key_value_heads, and its model would give full layers the sliding shapes)")
+
+
 GEMMA4_26B_A4B = Shape(
     name="gemma-4-26b-a4b-it",
     target=_gemma4_text(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
@@ -154,7 +163,8 @@ GEMMA4_26B_A4B = Shape(
         "5632, block 16, target_layer_ids [1,6,11,17,22,27], mask_token_id 4, softcap 30, rope 1e6, window "
         "2048); the layer ids also appear in a vLLM DFlash test",
     ),
-    notes=("target text stack only (no vision tower); rope_parameters types as in the fixtures",),
+    notes=("target text stack only (no vision tower); rope_parameters types as in the fixtures",
+           _GEMMA4_NAMING_NOTE),
     published_params=25.2e9,
 )
 
@@ -175,7 +185,8 @@ GEMMA4_31B = Shape(
         "hidden 5376, intermediate 10752, 64 heads, 8 kv, head_dim 128, window 2048, ids [1,12,23,35,46,57], "
         "mask 4, softcap 30)",
     ),
-    notes=("drafter UNVERIFIED (single third-party source)", "target text stack only (no vision tower)"),
+    notes=("drafter UNVERIFIED (single third-party source)", "target text stack only (no vision tower)",
+           _GEMMA4_NAMING_NOTE),
     published_params=30.7e9,
 )
 
@@ -268,30 +279,45 @@ def get(name: str) -> Shape:
 
 
 # ------------------------------------------------------------------------------------------------ shrinking
+def _fit_hidden(hidden: int, *configs: dict[str, Any]) -> int:
+    """The smallest width >= hidden that every config's head count divides (transformers checks hidden % heads
+    for some families, e.g. SmolLM2's 9 heads)."""
+    step = math.lcm(*(int(c.get("num_attention_heads") or 1) for c in configs))
+    return -(-hidden // step) * step
+
+
 def shrink(config: dict[str, Any], *, layers: int = 2, hidden: int = 64, vocab: int = 512) -> dict[str, Any]:
     """A tiny config of the same family and layer pattern (for CPU tests): widths scaled, ratios kept."""
     c = copy.deepcopy(config)
     old_h = c["hidden_size"]
+    hidden = _fit_hidden(hidden, c)
     scale = hidden / old_h
     c["hidden_size"] = hidden
     for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if c.get(k):
             c[k] = max(8, int(round(c[k] * scale / 8)) * 8)
-    for k in ("head_dim", "global_head_dim", "linear_key_head_dim", "linear_value_head_dim"):
-        if c.get(k):
-            c[k] = max(8, min(c[k], 32))
+    # head dims: the largest becomes 32 and the others keep their ratio to it, so that per-layer-type shapes
+    # that differ at full size (Gemma-4: sliding 256 vs global 512) still differ in the tiny config
+    dims = [k for k in ("head_dim", "global_head_dim", "linear_key_head_dim", "linear_value_head_dim") if c.get(k)]
+    top = max([c[k] for k in dims], default=32)
+    for k in dims:
+        c[k] = max(8, c[k] * 32 // top) if top > 32 else c[k]
     if c.get("num_experts"):
         c["num_experts"] = min(c["num_experts"], 8)
         for k in ("num_experts_per_tok", "top_k_experts"):
             if c.get(k):
                 c[k] = min(c[k], 2)
     if "layer_types" in c:
-        # keep one of each layer type in the pattern
-        kinds = list(dict.fromkeys(c["layer_types"]))
-        c["layer_types"] = (kinds * layers)[:max(layers, len(kinds))]
+        # a prefix of the real pattern, long enough to hold every layer kind: layer i keeps its kind, so rules that
+        # derive the kinds from a period (Qwen3.5's full_attention_interval, Gemma's 5:1) agree with the list
+        types = c["layer_types"]
+        first = max(types.index(kind) for kind in dict.fromkeys(types))
+        c["layer_types"] = types[:max(layers, first + 1)]
         layers = len(c["layer_types"])
     c["num_hidden_layers"] = layers
     c["vocab_size"] = vocab
+    if c.get("sliding_window"):  # short windows: tiny tests cross them, tiny KV pools hold them
+        c["sliding_window"] = min(c["sliding_window"], 64)
     if "dflash_config" in c:
         n_t = c.get("num_target_layers", layers)
         c["dflash_config"] = dict(c["dflash_config"], mask_token_id=vocab - 1,
@@ -303,6 +329,65 @@ def shrink(config: dict[str, Any], *, layers: int = 2, hidden: int = 64, vocab: 
         elif isinstance(v, list):
             c[k] = [x if x < vocab else 1 for x in v]
     return c
+
+
+def shrink_pair(shape: Shape | str, *, layers: int = 4, hidden: int = 64, vocab: int = 512
+                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(target, drafter) configs shrunk together: the drafter keeps its own layer count and layer kinds, and reads
+    the tiny target (its hidden size, vocabulary, layer count; target_layer_ids spread over the tiny target's
+    layers, as many as fit)."""
+    shape = get(shape) if isinstance(shape, str) else shape
+    hidden = _fit_hidden(hidden, shape.target, *([shape.drafter] if shape.drafter else []))
+    target = shrink(shape.target, layers=layers, hidden=hidden, vocab=vocab)
+    if shape.drafter is None:
+        return target, None
+    d = shape.drafter
+    drafter = shrink(d, layers=d["num_hidden_layers"], hidden=hidden, vocab=vocab)
+    n_t = target["num_hidden_layers"]
+    n_ids = min(len(d["dflash_config"]["target_layer_ids"]), n_t - 1)
+    ids = sorted({1 + round(i * (n_t - 2) / max(1, n_ids - 1)) for i in range(n_ids)})
+    drafter["num_target_layers"] = n_t
+    drafter["dflash_config"] = dict(drafter["dflash_config"], target_layer_ids=ids, mask_token_id=vocab - 1)
+    return target, drafter
+
+
+# ------------------------------------------------------------------------------------------------ SGLang's view
+def sglang_text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The target config.json to write for SGLang 0.5.17: the published text config, in SGLang's naming where the
+    published checkpoint gets renamed on load.
+
+    Gemma-4: the published checkpoints are the multimodal Gemma4ForConditionalGeneration, whose ``text_config``
+    (HF naming: ``head_dim`` / ``num_key_value_heads`` = sliding layers, ``global_head_dim`` /
+    ``num_global_key_value_heads`` = full layers) SGLang renames while loading the config (model_type ``gemma4``
+    only): base fields become the full layers' and ``swa_head_dim`` / ``swa_v_head_dim`` /
+    ``swa_num_key_value_heads`` the sliding layers'. Its Gemma4 model classes and KV pool read only that naming.
+    A text-only ``gemma4_text`` file is not renamed, so it is written renamed here: the result is what SGLang
+    holds for the published checkpoint's text model (tests/test_shape_startup.py compares the two). The HF names
+    stay too (``global_*`` then equal the base ones, so either reading of the full layers agrees).
+    Other families are returned unchanged.
+    """
+    c = copy.deepcopy(config)
+    if c.get("model_type") != "gemma4_text" or "swa_num_key_value_heads" in c:
+        return c
+    sliding_dim, sliding_kv = c["head_dim"], c["num_key_value_heads"]
+    full_dim = c.get("global_head_dim") or sliding_dim
+    full_kv = c.get("num_global_key_value_heads") or sliding_kv
+    c.update(swa_head_dim=sliding_dim, swa_v_head_dim=sliding_dim, swa_num_key_value_heads=sliding_kv,
+             head_dim=full_dim, v_head_dim=full_dim, num_key_value_heads=full_kv)
+    return c
+
+
+def published_wrapper_config(text_config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma-4 only: the published multimodal layout around a text config (model_type ``gemma4``), with a small
+    vision tower. For tests: SGLang's own config loading of this is the reference for ``sglang_text_config``
+    (the wrapper itself cannot be served from a config-only directory: SGLang loads its image processor)."""
+    assert text_config["model_type"] == "gemma4_text", text_config["model_type"]
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+            "text_config": {k: v for k, v in text_config.items() if k != "architectures"},
+            "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
+                              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                              "head_dim": 16},
+            "tie_word_embeddings": True, "torch_dtype": text_config.get("torch_dtype", "bfloat16")}
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -323,7 +408,7 @@ def write(shape: Shape | str, out: str | Path, tokenizer_from: str | Path | None
         dirs["draft"] = out / "draft"
     for role, d in dirs.items():
         d.mkdir(parents=True, exist_ok=True)
-        cfg = shape.target if role == "target" else shape.drafter
+        cfg = sglang_text_config(shape.target) if role == "target" else shape.drafter
         (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if tokenizer_from is not None:
             copied = [f for f in TOKENIZER_FILES if (Path(tokenizer_from) / f).exists()]

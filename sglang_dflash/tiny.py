@@ -1,4 +1,5 @@
-"""Tiny randomly initialised targets and drafters (Llama, Qwen3, Gemma3) for tests, CI and smoke runs.
+"""Tiny randomly initialised targets and drafters (Llama, Qwen3, Gemma3, Qwen2, Mistral, Phi-3) for tests, CI and
+smoke runs.
 
 Weights are random but deterministic (seeded). ``peak`` scales the lm_head so that logits are spread out: exact
 top-2 ties (which make two correct decoders legitimately disagree) then become rare even in low precision.
@@ -11,7 +12,7 @@ import torch
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 
-ARCHS = ("llama", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3")
 
 
 def tiny_target(arch: str = "qwen3", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
@@ -33,6 +34,17 @@ def tiny_target(arch: str = "qwen3", vocab_size: int = 256, hidden_size: int = 6
         cfg = tf.Gemma3TextConfig(**common, sliding_window=sliding_window, layer_types=layer_types,
                                   query_pre_attn_scalar=hidden_size // 4)
         cls = tf.Gemma3ForCausalLM
+    elif arch == "qwen2":
+        # Qwen2: q/k/v biases; SGLang 0.5.17's Qwen2ForCausalLM has no DFLASH capture hook (our generic one serves it)
+        common.pop("head_dim")
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        # no sliding window, as Mistral-7B v0.2 onwards (SGLang serves MistralForCausalLM as a Llama subclass)
+        cfg, cls = tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM
+    elif arch == "phi3":
+        # Phi-3: fused qkv_proj and gate_up_proj weights (SGLang serves Phi3ForCausalLM as a Llama subclass)
+        common.pop("head_dim")
+        cfg, cls = tf.Phi3Config(**common, rope_scaling=None), tf.Phi3ForCausalLM
     else:
         raise ValueError(f"arch={arch!r}: use one of {ARCHS}")
     torch.manual_seed(seed)

@@ -20,7 +20,7 @@ def _build(root: Path, name: str, make_info, train_steps: int = 0, **target_kw) 
     """Target + drafter checkpoint dirs under root (cached: info.json marks a finished build) and the stub libcuda."""
     from sglang_dflash.serving.cpu_support import build_stub_libcuda, save_drafter_dir, save_tiny_target
     from sglang_dflash.tiny import tiny_drafter
-    from sglang_dflash.train.trainer import greedy_continuations, train_drafter
+    from sglang_dflash.train.loop import greedy_continuations, train_drafter
 
     target_dir, draft_dir = root / f"{name}target", root / f"{name}draft"
     info_file = root / f"{name}info.json"
@@ -59,3 +59,13 @@ def build_gemma3_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, d
         "model_type": target.config.model_type, "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None}, train_steps=train_steps, arch="gemma3",
         tie_word_embeddings=True)
+
+
+def build_family_pair(root: Path, arch: str, train_steps: int = 300) -> tuple[Path, Path, dict]:
+    """A float32 tiny target of another family (sglang_dflash.tiny: qwen2, mistral, phi3, ...) and a drafter, trained
+    like build_pair's when train_steps > 0 (so that verify steps commit several tokens) or left random (enough to
+    drive forwards, e.g. for the capture check). Cached per family and step count."""
+    return _build(root, f"{arch}_{train_steps}_", lambda target, drafter, losses: {
+        "vocab": target.config.vocab_size, "arch": type(target).__name__,
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None},
+        train_steps=train_steps, arch=arch)
