@@ -8,12 +8,12 @@ model's chat template on the client side, so servers started with ``--skip-token
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import aiohttp
+import orjson
 
 
 @dataclass
@@ -63,6 +63,9 @@ async def generate(session: aiohttp.ClientSession, url: str, input_ids: list[int
                            "spec_accept_tokens": None, "output_ids": [], "finish_reason": None}
     last: dict | None = None
     try:
+        # the streamed chunks are parsed with orjson: the client shares the host's cores with the server it
+        # measures and parses one chunk per streamed step, each carrying the output so far (a 1,024-id chunk:
+        # 0.76 ms with json, 0.10 ms with orjson, measured on a 2-core machine); a slow parse shows up as latency
         async with session.post(url + "/generate", json=body,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
@@ -76,7 +79,7 @@ async def generate(session: aiohttp.ClientSession, url: str, input_ids: list[int
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     break
-                chunk = json.loads(payload)
+                chunk = orjson.loads(payload)
                 if "error" in chunk:
                     rec["error"] = str(chunk["error"])[:300]
                     break
@@ -160,6 +163,6 @@ def get_json(url: str, path: str, timeout_s: float = 10.0) -> dict | None:
 
     try:
         with urllib.request.urlopen(url + path, timeout=timeout_s) as r:
-            return json.loads(r.read())
+            return orjson.loads(r.read())
     except Exception:
         return None

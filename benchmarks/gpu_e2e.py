@@ -92,7 +92,7 @@ def build_tiny(root: Path) -> tuple[Path, Path]:
 
     from sglang_dflash.serving.cpu_support import save_drafter_dir, save_tiny_target
     from sglang_dflash.tiny import tiny_drafter
-    from sglang_dflash.train.trainer import greedy_continuations, train_drafter
+    from sglang_dflash.train.loop import greedy_continuations, train_drafter
 
     target_dir, draft_dir = root / "target", root / "draft"
     if (draft_dir / "config.json").is_file():

@@ -53,7 +53,7 @@ def draft_blocks(engine, context: torch.Tensor, tokens: list[int], bonus_at: lis
     visible[:, :, :c] = ctx_pos[:, None, :] < at[:, None, None]  # a step sees only the tokens before its bonus
     block_pos = at[:, None] + torch.arange(block, device=dev)
     hidden = drafter(drafter.block_embeddings(block_ids, target.embed_weight), block_pos, ctx, ctx_pos, visible)
-    return drafter.logits(hidden[:, 1:], target.lm_head_weight).argmax(dim=-1)
+    return drafter.draft_logits(hidden[:, 1:], target.lm_head_weight).argmax(dim=-1)
 
 
 def accepted_run(drafts: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:

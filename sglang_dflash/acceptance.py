@@ -25,7 +25,9 @@ def _assemble(drafts: torch.Tensor, accepted: torch.Tensor, next_token: torch.Te
 
 
 def accepted_prefix_len(matches: torch.Tensor) -> torch.Tensor:
-    """[N, B-1] bool -> [N] length of the leading run of True."""
+    """THE rule that counts accepted drafts, used by both verify rules, training's acceptance estimate and the
+    teacher-forced replay: ``matches`` [N, K] bool (draft j passed its test, e.g. ``drafts == target_tokens``)
+    -> [N] int64, the length of the leading run of True (a draft after the first failure never counts)."""
     return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 

@@ -13,10 +13,17 @@ Data path of one forward:
 
 Which keys a query may see is decided by positions: full-attention layers see the whole block (bidirectional),
 causal / sliding layers apply their rules on top of the caller's ``visible`` mask (padding, or one block per anchor
-in training).
+in training). Training may pass a flex-attention ``BlockMask`` instead of the dense mask (full-attention layers
+only: the BlockMask is then their whole rule), which builds no [Q, K] tensor.
+
+The SGLang runtime twin is ``serving/draft_model.py`` (``DFlashDraftModel``, SGLang layers); both share
+``draft_logits`` and the rope settings of ``DFlashConfig.rope_config``; ``tests/test_drafter_parity.py`` checks
+that they compute the same thing.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +84,8 @@ class Rope:
         rope_type = rope_cfg.rope_parameters.get("rope_type", "default")
         init = (Qwen3RotaryEmbedding.compute_default_rope_parameters if rope_type == "default"
                 else ROPE_INIT_FUNCTIONS[rope_type])
-        self.inv_freq, self.scaling = init(rope_cfg, None)
+        # config only: transformers 5.19 (SGLang 0.5.23's) dropped the default init's `device` parameter
+        self.inv_freq, self.scaling = init(rope_cfg)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
@@ -85,6 +93,39 @@ class Rope:
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _flex_attention(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=False)
+    import torch.nn.attention.flex_attention as fa
+
+    fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True  # eager CPU reference path (slow, tests), without warning spam
+    return flex_attention
+
+
+def check_flex_supported(cfg: DFlashConfig) -> None:
+    """A flex BlockMask is the whole visibility rule of a layer, so only full-attention layers can take one."""
+    bad = [i for i in range(cfg.num_hidden_layers) if cfg.layer_is_causal(i) or cfg.layer_window(i)]
+    if bad:
+        raise ValueError(f"flex attention: drafter layers {bad} are causal/sliding. Fix: train with "
+                         "attention='dense' (the dense mask applies those rules)")
+
+
+def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, cfg: DFlashConfig,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """THE draft logits, for both runtimes: hidden [.., H] through the TARGET's lm_head [V, H], optionally cast to
+    `dtype` (the plain drafter: float32), then the config's output multiplier and final softcap."""
+    logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight)
+    if dtype is not None:
+        logits = logits.to(dtype)
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    cap = cfg.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 class DraftAttention(nn.Module):
@@ -100,18 +141,29 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma_norm)
         self.causal, self.window = cfg.layer_is_causal(layer), cfg.layer_window(layer)
 
+    def key_values(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K = rope(k_norm(k_proj(rows))), V = v_proj(rows) of rows [b, n, H] (context rows or normed block rows) at
+        the positions of cos/sin [b, n, d]; both [b, kv_heads, n, d]."""
+        b = rows.shape[0]
+        k = self.k_norm(self.k_proj(rows).view(b, -1, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(rows).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
     def forward(self, x, context, rope, q_pos, k_pos, visible):
         b, q_len, _ = x.shape
-        kv_in = torch.cat([context, x], dim=1)  # KV injection: context rows first, then the block
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
+        # KV injection: context rows first, then the block; the context skips input_layernorm (x is already normed)
+        k, v = self.key_values(torch.cat([context, x], dim=1), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = apply_rope(k, cos, sin)
-        mask = layer_visibility(visible, q_pos, k_pos, self.causal, self.window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                             enable_gqa=self.heads != self.kv_heads)
+        gqa = self.heads != self.kv_heads
+        if isinstance(visible, torch.Tensor):
+            mask = layer_visibility(visible, q_pos, k_pos, self.causal, self.window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+        else:  # a flex BlockMask (training): full-attention layers only, see check_flex_supported
+            if self.causal or self.window:
+                raise ValueError("a flex BlockMask reached a causal/sliding drafter layer. Fix: use the dense mask")
+            out = _flex_attention(x.device.type)(q, k, v, block_mask=visible, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -160,7 +212,8 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: torch.Tensor,
                 context_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
         """block_embeds [b, Q, H], context [b, C, H] (from project_context), positions [b, Q] / [b, C] int64,
-        visible [b, Q, C+Q] bool (None: everything visible). Returns the normed hidden states [b, Q, H]."""
+        visible [b, Q, C+Q] bool (None: everything visible) or a flex BlockMask over the same [Q, C+Q] (training,
+        full-attention layers only). Returns the normed hidden states [b, Q, H]."""
         b, q_len, _ = block_embeds.shape
         x = block_embeds.to(self.fc.weight.dtype)
         context = context.to(x.dtype)
@@ -172,15 +225,9 @@ class DFlashDrafter(nn.Module):
             x = layer(x, context, rope, block_positions, k_pos, visible)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the TARGET's lm_head (plus the optional multiplier and softcap of the config)."""
-        logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float()
-        cfg = self.config
-        if cfg.output_multiplier != 1.0:
-            logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping:
-            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
-        return logits
+    def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits [.., V] float32 through the TARGET's lm_head (module function `draft_logits`)."""
+        return draft_logits(hidden, lm_head_weight, self.config, torch.float32)
 
     def block_embeddings(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Rows of the TARGET's embedding table, times the config's input_embedding_scale."""

@@ -12,7 +12,7 @@ from _stats import detectable_tv, grouped_chi2
 from sglang_dflash.reference import ReferenceEngine
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs
 from sglang_dflash.tiny import tiny_drafter, tiny_target
-from sglang_dflash.train.trainer import Sequence, greedy_continuations, train_drafter
+from sglang_dflash.train.loop import Sequence, greedy_continuations, train_drafter
 
 ARCHS = ["llama", "qwen3", "gemma3"]
 BLOCK = 8
@@ -129,7 +129,8 @@ class Order2MarkovLM(torch.nn.Module):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids, position_ids=None, past_key_values=None, use_cache=True, output_hidden_states=False):
+    def forward(self, input_ids, position_ids=None, past_key_values=None, use_cache=True, output_hidden_states=False,
+                logits_to_keep=0):  # logits_to_keep: the trainer asks for it; a table lookup has nothing to save
         ids = input_ids[0]
         history = ids
         if past_key_values is not None:  # the cache stores token ids as 1-dim keys: [1, 1, T, 1]

@@ -64,6 +64,29 @@ class _Request:
         return GenerationResult(self.prompt, self.out, self.finish or "length", self.commit_lens, self.forwards)
 
 
+def draft_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torch.Tensor],
+               embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """THE draft step, one drafter pass for n requests: request i drafts the block [bonus_ids[i], MASK x (B-1)] at
+    positions len(contexts[i]).. over its context rows contexts[i] [C_i, H] (from project_context, one per token
+    fed so far). Returns the greedy drafts [n, B-1] for block positions 1..B-1. Contexts are right-padded to the
+    longest; padded keys are invisible, so a request drafts the same tokens alone or in a batch."""
+    cfg, dev = drafter.config, embed_weight.device
+    fed = [len(c) for c in contexts]
+    n, b, c = len(contexts), cfg.block_size, max(fed)
+    block_ids = torch.full((n, b), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, 0] = torch.tensor(bonus_ids, device=dev)
+    context = torch.zeros(n, c, cfg.hidden_size, dtype=contexts[0].dtype, device=dev)
+    visible = torch.ones(n, b, c + b, dtype=torch.bool, device=dev)
+    for i, rows in enumerate(contexts):
+        context[i, : fed[i]] = rows
+        visible[i, :, fed[i]: c] = False
+    ctx_pos = torch.arange(c, device=dev).expand(n, c)
+    block_pos = torch.tensor(fed, device=dev)[:, None] + torch.arange(b, device=dev)
+    embeds = drafter.block_embeddings(block_ids, embed_weight)
+    hidden = drafter(embeds, block_pos, context, ctx_pos, visible)
+    return drafter.draft_logits(hidden[:, 1:], lm_head_weight).argmax(dim=-1)
+
+
 class ReferenceEngine:
     def __init__(self, target_model, drafter: DFlashDrafter | None = None, seed: int = 0):
         layer_ids = drafter.config.target_layer_ids if drafter is not None else ()
@@ -118,20 +141,8 @@ class ReferenceEngine:
 
     def _draft(self, reqs: list[_Request]) -> torch.Tensor:
         """One drafter pass for all requests: block [bonus, MASK...] -> greedy drafts for positions 1..B-1."""
-        cfg, dev = self.drafter.config, self.target.device
-        n, b, c = len(reqs), cfg.block_size, max(r.fed for r in reqs)
-        block_ids = torch.full((n, b), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[:, 0] = torch.tensor([r.out[-1] for r in reqs], device=dev)
-        context = torch.zeros(n, c, cfg.hidden_size, dtype=reqs[0].context.dtype, device=dev)
-        visible = torch.ones(n, b, c + b, dtype=torch.bool, device=dev)
-        for i, r in enumerate(reqs):  # right-pad contexts; padded keys are invisible
-            context[i, : r.fed] = r.context
-            visible[i, :, r.fed: c] = False
-        ctx_pos = torch.arange(c, device=dev).expand(n, c)
-        block_pos = torch.tensor([r.fed for r in reqs], device=dev)[:, None] + torch.arange(b, device=dev)
-        embeds = self.drafter.block_embeddings(block_ids, self.target.embed_weight)
-        hidden = self.drafter(embeds, block_pos, context, ctx_pos, visible)
-        return self.drafter.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1)
+        return draft_step(self.drafter, [r.out[-1] for r in reqs], [r.context for r in reqs],
+                          self.target.embed_weight, self.target.lm_head_weight)
 
     def _verify(self, reqs, drafts, logits):
         if all(r.params.greedy for r in reqs):

@@ -1,8 +1,9 @@
 """The DFlash drafter built from SGLang layers, registered for the published ``DFlashDraftModel`` architecture.
 
-Same maths as :class:`sglang_dflash.drafter.DFlashDrafter` (the oracle), but with SGLang's parallel linears,
-RMSNorm, RoPE and ``RadixAttention``, so the draft runs in a draft ModelRunner on the backend chosen by
-``--speculative-draft-attention-backend`` and can be captured in CUDA graphs.
+Same maths as :class:`sglang_dflash.drafter.DFlashDrafter` (the oracle; ``tests/test_drafter_parity.py`` checks the
+two agree), but with SGLang's parallel linears, RMSNorm, RoPE and ``RadixAttention``, so the draft runs in a draft
+ModelRunner on the backend chosen by ``--speculative-draft-attention-backend`` and can be captured in CUDA graphs.
+The classes carry an ``SGLang`` prefix (``SGLangDraftAttention`` ...) to tell them from the plain-torch ones.
 
 The draft's KV cache holds, for every committed token, each layer's K/V of that token's *context row*
 ``hidden_norm(fc(target features))`` (``write_context_kv``), and for the block being drafted the K/V of the block
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DFlashConfig
+from ..drafter import draft_logits
 
 
 def _sglang():
@@ -37,7 +39,7 @@ def _norm(dim: int, eps: float, gemma: bool):
     return layernorm.GemmaRMSNorm(dim, eps=eps) if gemma else layernorm.RMSNorm(dim, eps=eps)
 
 
-class DraftAttention(nn.Module):
+class SGLangDraftAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_id: int):
         super().__init__()
         _, linear, radix_attention, rotary_embedding = _sglang()
@@ -50,14 +52,11 @@ class DraftAttention(nn.Module):
                                                prefix=f"layers.{layer_id}.o_proj")
         self.q_norm = _norm(d, cfg.rms_norm_eps, cfg.gemma_norm)
         self.k_norm = _norm(d, cfg.rms_norm_eps, cfg.gemma_norm)
-        raw = cfg.raw
-        rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-        theta = raw.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        scaling = raw.get("rope_scaling")
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = rope
-        self.rotary_emb = rotary_embedding.get_rope(d, rotary_dim=d, max_position=int(raw.get(
-            "max_position_embeddings", 32768)), base=theta, rope_scaling=scaling, is_neox_style=True)
+        rope_cfg = cfg.rope_config()  # the plain drafter's rope settings, parsed once by transformers
+        rope = dict(rope_cfg.rope_parameters)
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        self.rotary_emb = rotary_embedding.get_rope(d, rotary_dim=d, max_position=rope_cfg.max_position_embeddings,
+                                                    base=rope["rope_theta"], rope_scaling=scaling, is_neox_style=True)
         causal, window = cfg.layer_is_causal(layer_id), cfg.layer_window(layer_id)
         attn_type = radix_attention.AttentionType.DECODER if causal else radix_attention.AttentionType.ENCODER_ONLY
         if window is not None and not causal:
@@ -78,8 +77,7 @@ class DraftAttention(nn.Module):
         return out
 
 
-
-class DraftMLP(nn.Module):
+class SGLangDraftMLP(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_id: int):
         super().__init__()
         _, linear, _, _ = _sglang()
@@ -99,11 +97,11 @@ class DraftMLP(nn.Module):
         return out
 
 
-class DraftLayer(nn.Module):
+class SGLangDraftLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_id: int):
         super().__init__()
-        self.self_attn = DraftAttention(cfg, layer_id)
-        self.mlp = DraftMLP(cfg, layer_id)
+        self.self_attn = SGLangDraftAttention(cfg, layer_id)
+        self.mlp = SGLangDraftMLP(cfg, layer_id)
         self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
         self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
 
@@ -122,7 +120,7 @@ class DFlashDraftModel(nn.Module):
         self.dflash = cfg = DFlashConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
         self.config = config
         h = cfg.hidden_size
-        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(SGLangDraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
         self.fc = nn.Linear(cfg.num_context_features * h, h, bias=False)
         self.hidden_norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
@@ -199,12 +197,9 @@ class DFlashDraftModel(nn.Module):
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the target's lm_head (with the config's multiplier / softcap)."""
-        logits = F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
-        if self.dflash.output_multiplier != 1.0:
-            logits = logits * self.dflash.output_multiplier
-        cap = self.dflash.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        """Draft logits through the bound target lm_head, in its dtype (``drafter.draft_logits``, shared with the
+        plain drafter)."""
+        return draft_logits(hidden, self.lm_head_weight, self.dflash)
 
     # ----------------------------------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):

@@ -23,12 +23,14 @@ _OLD_FLAGS = ("SGLANG_ENABLE_SPEC_V2", "SGLANG_ENABLE_DFLASH_SPEC_V2")
 _SPEC = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm"
 _HOOK_ARGS = "sglang.srt.arg_groups.speculative_hook"
 _CAPTURE = "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture"
-_VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+# SGLang's scheduler refuses logprobs for every DFLASH worker through this name (imported into its namespace)
+_VALIDATE_DFLASH = "sglang.srt.managers.scheduler.validate_dflash_request"
 _TOKENIZED = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 _KV_COPY_INIT = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 _ALLOC = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 _TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 _SPEC_EXTRAS = "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras"
+_XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 
 
@@ -55,6 +57,13 @@ def register() -> None:
     if selected_worker() == "builtin":
         logger.info("sglang-dflash: %s=builtin, SGLang's builtin DFLASH worker is left in place.", WORKER_ENV)
         return
+    # compat: an SGLang release we were not tested on gets no hooks but the refusal (compat.py)
+    from .compat import refusal
+
+    reason = refusal()
+    if reason is not None:
+        _register_refusal(HookRegistry, HookType, reason)
+        return
 
     around = HookType.AROUND
     HookRegistry.register(f"{_SPEC}.create_worker", _create_worker, around)
@@ -64,8 +73,8 @@ def register() -> None:
     HookRegistry.register(_CAPTURE, _configure_capture, around)
     # our verify-attention kernel for DFLASH TARGET_VERIFY batches on the triton backend (GPU; CPU uses torch_native)
     HookRegistry.register(_TRITON_EXTEND, _triton_forward_extend, around)
-    HookRegistry.register(_VALIDATE, _refuse_logprobs, HookType.BEFORE)
     HookRegistry.register(_TOKENIZED, _refuse_unapplied_sampling, around)
+    HookRegistry.register(_VALIDATE_DFLASH, _validate_dflash_request, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
     # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
     # a stream-free FutureMap read under overlap scheduling.
@@ -73,6 +82,31 @@ def register() -> None:
     HookRegistry.register(_TORCH_NATIVE, _torch_native_forward_extend, around)
     HookRegistry.register(_KV_COPY_INIT, _kv_copy_init, around)
     HookRegistry.register(_SPEC_EXTRAS, _resolve_spec_extras, around)
+    # CPU only: xgrammar token bitmasks without pinned memory, applied with xgrammar's CPU kernel (cpu_grammar.py)
+    HookRegistry.register(f"{_XGRAMMAR}._allocate_token_bitmask", _allocate_token_bitmask, around)
+    HookRegistry.register(f"{_XGRAMMAR}.XGrammarGrammar.apply_vocab_mask", _apply_vocab_mask, around)
+
+
+def _register_refusal(registry, hook_type, reason: str) -> None:
+    """Stop any DFLASH start with ``reason`` (SGLang catches and only logs exceptions raised by ``register``, so
+    raising there would silently leave SGLang's builtin worker running). Other servers start as usual. Hooked in
+    the launcher's DFLASH argument step (first) and at worker creation (in case that step moved)."""
+    logger.error("sglang-dflash: %s", reason)
+
+    def refuse_dflash_args(original, *args, **kwargs):
+        from .compat import UnsupportedSGLangVersion
+
+        raise UnsupportedSGLangVersion(reason)
+
+    def refuse_worker(original, self, *args, **kwargs):
+        if getattr(self, "is_dflash", lambda: False)():
+            from .compat import UnsupportedSGLangVersion
+
+            raise UnsupportedSGLangVersion(reason)
+        return original(self, *args, **kwargs)
+
+    registry.register(f"{_HOOK_ARGS}._handle_dflash", refuse_dflash_args, hook_type.AROUND)
+    registry.register(f"{_SPEC}.create_worker", refuse_worker, hook_type.AROUND)
 
 
 # ------------------------------------------------------------------------------------------------------- hooks
@@ -113,30 +147,32 @@ def _resolve_draft_backend(original, server_args):
     return resolve_draft_attention_backend(server_args)
 
 
-def _configure_capture(original, *, model, dflash_use_aux_hidden_state, dflash_target_layer_ids, **kwargs):
-    if dflash_use_aux_hidden_state and not hasattr(model, "set_dflash_layers_to_capture"):
-        from .capture import install_capture_hook
+def _configure_capture(original, **kwargs):
+    # generic hidden-state capture where the model class has no native DFLASH hook (capture.py)
+    from .capture import configure_capture
 
-        install_capture_hook(model)
-    return original(model=model, dflash_use_aux_hidden_state=dflash_use_aux_hidden_state,
-                    dflash_target_layer_ids=dflash_target_layer_ids, **kwargs)
+    return configure_capture(original, **kwargs)
 
 
-def _refuse_logprobs(self, obj, *args, **kwargs):
-    if getattr(obj, "return_logprob", False) and str(self.server_args.speculative_algorithm).upper() == "DFLASH":
-        raise ValueError("logprobs are not supported with --speculative-algorithm DFLASH by the sglang-dflash worker "
-                         "yet. Fix: drop logprobs/return_logprob from the request, or serve without speculation")
-    return None
+def _validate_dflash_request(original, req, enable_overlap, *args, **kwargs):
+    # Our worker returns logprobs (controls.py: the target's own, from the verify rows); every other check of
+    # SGLang's DFLASH request validation still applies.
+    if not getattr(req, "return_logprob", False):
+        return original(req, enable_overlap, *args, **kwargs)
+    req.return_logprob = False
+    try:
+        return original(req, enable_overlap, *args, **kwargs)
+    finally:
+        req.return_logprob = True
 
 
-# Sampling controls that the scheduler applies to the logits of ONE next token (penalizers, grammar masks, custom
-# logit processors), read from the final SamplingParams (request, --preferred-sampling-params and the model's
-# generation-config defaults all merged). A DFLASH verify scores B positions at once; applying these would need
-# their state advanced token by token inside the block, which our worker does not do, so it refuses them rather
-# than produce a distribution the user did not ask for. Each entry: (field, value that means "off").
-_UNAPPLIED = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
-              ("min_new_tokens", 0), ("regex", None), ("json_schema", None), ("ebnf", None),
-              ("structural_tag", None))
+# Sampling controls our verify step does not apply, read from the final SamplingParams (request,
+# --preferred-sampling-params and the model's generation-config defaults all merged): a custom logit processor is
+# handed the request itself (its params carry "__req__", whose output_ids cannot show the drafts a block row sits
+# behind), so it cannot be applied exactly per block position. Refused rather than silently not applied.
+# Penalties, min_new_tokens, grammars, logit_bias and logprobs are applied exactly (controls.py). Each entry:
+# (field, value that means "off").
+_UNAPPLIED = ()
 
 
 def unapplied_sampling_controls(sampling_params, custom_logit_processor=None) -> list[str]:
@@ -156,10 +192,11 @@ def _refuse_unapplied_sampling(original, self, obj, *args, **kwargs):
     bad = unapplied_sampling_controls(params, getattr(obj, "custom_logit_processor", None)) if params else []
     if bad:
         raise ValueError(f"{', '.join(bad)}: not supported with --speculative-algorithm DFLASH by the sglang-dflash "
-                         "worker yet (its verify step scores a block of tokens at once and would silently not apply "
-                         "penalties, min_new_tokens, grammars or custom logit processors). Fix: drop them from the "
-                         "request (and from --preferred-sampling-params / the model's generation_config defaults), "
-                         "or serve without speculation")
+                         "worker (its verify step scores a block of tokens at once, and SGLang hands a custom logit "
+                         "processor the request itself, whose output cannot show the drafts a block position sits "
+                         "behind, so it cannot be applied exactly per position). Penalties, min_tokens, grammars, "
+                         "logit_bias and logprobs are supported. Fix: drop it from the request, or serve without "
+                         "speculation")
     return tokenized
 
 
@@ -206,3 +243,15 @@ def _resolve_spec_extras(original, self, batch):
         return original(self, batch)
     finally:
         spec.future_indices = indices
+
+
+def _allocate_token_bitmask(original, vocab_size, batch_size):
+    from .cpu_grammar import allocate_token_bitmask
+
+    return allocate_token_bitmask(original, vocab_size, batch_size)
+
+
+def _apply_vocab_mask(original, self, logits, vocab_mask):
+    from .cpu_grammar import apply_vocab_mask
+
+    return apply_vocab_mask(original, self, logits, vocab_mask)

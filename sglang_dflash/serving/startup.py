@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ..config import DFlashConfig, DFlashConfigError
+from . import compat
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -38,6 +39,7 @@ def supported_draft_backends(server_args) -> tuple[str, ...]:
 
 def resolve_draft_attention_backend(server_args) -> str:
     """The draft's attention backend: the flag if supported (error otherwise), else triton / torch_native."""
+    server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
     choices = supported_draft_backends(server_args)
     backend = server_args.speculative_draft_attention_backend
     if backend is None:
@@ -46,7 +48,8 @@ def resolve_draft_attention_backend(server_args) -> str:
         raise DFlashStartupError(
             f"--speculative-draft-attention-backend {backend!r} is not supported by the sglang-dflash worker on "
             f"device {server_args.device!r}. Fix: use one of {list(choices)}")
-    server_args.speculative_draft_attention_backend = backend
+    compat.set_args(record, "sglang_dflash.resolve_draft_attention_backend",
+                    speculative_draft_attention_backend=backend)
     return backend
 
 
@@ -110,7 +113,7 @@ def _target_config(server_args):
     cfg_file = Path(server_args.model_path) / "config.json"
     if cfg_file.is_file():
         return json.loads(cfg_file.read_text())
-    return server_args.get_model_config().hf_config
+    return compat.target_hf_config(server_args)
 
 
 def check_mask_token(cfg: DFlashConfig, server_args) -> None:
@@ -138,6 +141,7 @@ def check_mask_token(cfg: DFlashConfig, server_args) -> None:
 
 def handle_dflash_args(original, server_args) -> None:
     """Replaces SGLang's ``_handle_dflash`` when our worker is selected (it also lifts the CUDA-only restriction)."""
+    server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
     cfg = load_draft_config(server_args)
     cfg.validate_against_target(_target_config(server_args))
     check_mask_token(cfg, server_args)
@@ -145,7 +149,7 @@ def handle_dflash_args(original, server_args) -> None:
     if server_args.pp_size != 1:
         raise DFlashStartupError(f"--pp-size {server_args.pp_size}: the sglang-dflash worker supports pp_size 1. "
                                  "Fix: drop --pp-size")
-    if getattr(server_args, "enable_dp_attention", False):
+    if compat.dp_attention_enabled(server_args):
         raise DFlashStartupError("--enable-dp-attention is not supported by the sglang-dflash worker. "
                                  "Fix: drop it (tensor parallelism works)")
     if server_args.speculative_draft_window_size is not None:
@@ -160,14 +164,14 @@ def handle_dflash_args(original, server_args) -> None:
                 f"--{flag.replace('_', '-')} {value} does not match the drafter's block_size {cfg.block_size} "
                 f"({server_args.speculative_draft_model_path}/config.json). Fix: pass "
                 f"--{flag.replace('_', '-')} {cfg.block_size} or leave it out")
-    server_args.speculative_num_draft_tokens = cfg.block_size
     # DFLASH verifies one chain of B tokens: EAGLE's steps/topk are fixed so that SGLang's KV accounting is right.
-    server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = 1
-    resolve_draft_attention_backend(server_args)
+    source = "sglang_dflash.handle_dflash_args"
+    compat.set_args(record, source, speculative_num_draft_tokens=cfg.block_size, speculative_num_steps=1,
+                    speculative_eagle_topk=1)
+    resolve_draft_attention_backend(record)
     if server_args.max_running_requests is None:
-        server_args.max_running_requests = 48
+        compat.set_args(record, source, max_running_requests=48)
         logger.info("sglang-dflash: --max-running-requests defaults to 48 with DFLASH (pass it to change)")
     if server_args.enable_mixed_chunk:
-        server_args.enable_mixed_chunk = False
+        compat.set_args(record, source, enable_mixed_chunk=False)
         logger.info("sglang-dflash: --enable-mixed-chunk is turned off (a DFLASH decode step is a verify block)")

@@ -8,6 +8,7 @@ worker owns one model step:
     decode   width   k = how many drafts this step verifies (0..B-1): the adaptive policy (width_control.py)
              draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 greedy drafts (skipped if k = 0)
              verify  one target pass over [bonus, d_1..d_k], hidden capture  -> logits [bs, k+1, V]
+             process penalties, min_new_tokens, grammar, logit_bias per row   (controls.py; exact per position)
              accept  acceptance.verify_greedy / verify_sampled                -> commit_lens, tokens
              commit  publish new lengths; write context K/V of the k+1 verified rows (rows past commit_len are
                      rewritten by the next step's block, which starts at the new length)
@@ -30,6 +31,8 @@ import torch
 from ..acceptance import verify_greedy, verify_sampled
 from ..config import DFlashConfig
 from ..sampling import SamplingTensors, processed_probs
+from . import compat
+from .controls import SamplingControls
 from .verify_widths import VerifyWidths
 from .width_control import WidthControls, WidthController
 
@@ -56,7 +59,7 @@ def register_draft_model() -> None:
 
 
 class DFlashWorker(BaseSpecWorker):
-    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker, **_):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None, **_):  # ps: 0.5.17 only (compat)
         super().__init__()
         self.server_args, self._target_worker = server_args, target_worker
         self.model_runner = target_worker.model_runner
@@ -68,10 +71,8 @@ class DFlashWorker(BaseSpecWorker):
             raise ValueError(f"speculative_num_draft_tokens={B} != drafter block_size={self.cfg.block_size}")
 
         register_draft_model()
-        from dataclasses import replace
-
         bundle = build_draft_tp_worker(
-            server_args=server_args, gpu_id=gpu_id, ps=replace(ps, pp_rank=0), nccl_port=nccl_port,
+            server_args=server_args, gpu_id=gpu_id, **compat.draft_worker_parallel_kwargs(ps), nccl_port=nccl_port,
             target_model_config=self.model_runner.model_config, algo_label="DFLASH(sglang-dflash)",
             attention_backend_override=server_args.speculative_draft_attention_backend)
         self._draft_worker = bundle.draft_worker
@@ -120,6 +121,9 @@ class DFlashWorker(BaseSpecWorker):
                                              req_to_token_pool=req_to_token_pool,
                                              token_to_kv_pool_allocator=token_to_kv_pool_allocator)
         self.req_to_token_pool, self.token_to_kv_pool_allocator = req_to_token_pool, token_to_kv_pool_allocator
+        # per-request sampling controls, one row per request slot of the shared req_to_token pool
+        self._controls = SamplingControls(req_to_token_pool.req_to_token.shape[0],
+                                          self.model_runner.model_config.vocab_size, self.device)
 
     def init_attention_backends(self):
         self._draft_worker.init_attention_backends()
@@ -150,14 +154,13 @@ class DFlashWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------------------------------- steps
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, **_):
-        if batch.return_logprob:
-            raise ValueError("return_logprob reached the DFLASH worker; the request validator should have refused "
-                             "it (sglang-dflash does not support logprobs yet)")
+        # grammar_barrier (overlap scheduling): advances the grammar matchers over the previous step's committed
+        # tokens, so this step's masks start from the right state (controls.process calls it)
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_idle():
             return self._idle(on_publish)
-        return self._decode_step(batch, on_publish)
+        return self._decode_step(batch, on_publish, grammar_barrier)
 
     def _prefill(self, batch, on_publish):
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
@@ -168,6 +171,8 @@ class DFlashWorker(BaseSpecWorker):
         pos = _extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
         self.draft_model.write_context_kv(features, pos, batch.out_cache_loc, self.draft_runner.token_to_kv_pool)
         out.logits_output.hidden_states = None  # never ship [N, K*H] to the host
+        # SGLang's sampler applied the prefill's controls; from here on they are ours, per request slot
+        self._controls.on_prefill(batch, out.next_token_ids)
         out.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(batch.seq_lens)
@@ -184,7 +189,7 @@ class DFlashWorker(BaseSpecWorker):
                                      next_draft_input=nxt, speculative_num_draft_tokens=self.block,
                                      new_seq_lens=nxt.new_seq_lens, can_run_cuda_graph=False)
 
-    def _decode_step(self, batch, on_publish):
+    def _decode_step(self, batch, on_publish, grammar_barrier=None):
         B, bs = self.block, batch.batch_size()
         state = batch.spec_info
         if not isinstance(state, DFlashDraftInputV2):
@@ -205,6 +210,7 @@ class DFlashWorker(BaseSpecWorker):
             verify_ids[:, 1:] = drafts
         else:
             drafts = verify_ids[:, 1:]  # [bs, 0]
+        grammar_chain = self._controls.grammar_chain(batch, verify_ids)  # host copy of the chain, grammars only
 
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
         # contiguous: a [bs, 1] column of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
@@ -214,8 +220,13 @@ class DFlashWorker(BaseSpecWorker):
                                                      self._host_lens(batch, state, W), bs, W)
 
         # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
+        #    on the rows processed as plain decoding would (penalties, min_new_tokens, grammar, logit_bias: each row
+        #    with the state behind its own drafted prefix), then the controls' state advances over what was committed
         with _phase("dflash.accept"):
-            commit_lens, tokens = self._accept(batch, drafts, logits.view(bs, W, -1))
+            logits, pending = self._controls.process(batch, logits.view(bs, W, -1), verify_ids, grammar_chain,
+                                                     grammar_barrier)
+            commit_lens, tokens = self._accept(batch, drafts, logits)
+            self._controls.commit(pending, tokens, commit_lens)
             bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         if on_publish is not None:
@@ -227,7 +238,8 @@ class DFlashWorker(BaseSpecWorker):
                                               self.draft_runner.token_to_kv_pool)
         self._control.step_end(bs, k, timer)
         return GenerationBatchResult(
-            logits_output=None, next_token_ids=tokens.clamp_min(0).reshape(-1),
+            logits_output=self._controls.logprobs(batch, logits, tokens),  # None unless a request asked for logprobs
+            next_token_ids=tokens.clamp_min(0).reshape(-1),
             accept_lens=commit_lens.to(torch.int32),
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=W, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
@@ -246,8 +258,8 @@ class DFlashWorker(BaseSpecWorker):
         """Host-side upper bounds of the attended lengths (committed + width), for backends that plan on the host."""
         if batch.seq_lens_cpu is not None:
             lens = batch.seq_lens_cpu + width
-        elif state.reserved_seq_lens_cpu is not None:
-            lens = state.reserved_seq_lens_cpu
+        elif compat.reserved_lens_cpu(state) is not None:
+            lens = compat.reserved_lens_cpu(state)
         else:
             return None, None
         return lens, int(lens.sum())
@@ -285,8 +297,6 @@ class DFlashWorker(BaseSpecWorker):
         lo = out.logits_output
         n = bs * width
         logits = lo.next_token_logits[:n]
-        if batch.sampling_info is not None and batch.sampling_info.logit_bias is not None:
-            logits = logits + batch.sampling_info.logit_bias.repeat_interleave(width, dim=0)
         features = lo.hidden_states[:n]
         lo.hidden_states = None
         return logits, features, bool(out.can_run_cuda_graph)

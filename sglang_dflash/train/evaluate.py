@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from ..reference.engine import ReferenceEngine
+from ..acceptance import accepted_prefix_len
+from ..reference.engine import ReferenceEngine, draft_step
 from ..sampling import SamplingParams
 
 
@@ -100,14 +101,9 @@ def greedy_tau_teacher_forced(target_model, drafter, prompts: list[list[int]], m
         context = drafter.project_context(batch_features(target_model, cfg.target_layer_ids, x[None])[0])
         commits, a = [], p
         while a - p + 1 < t - p:  # tokens emitted so far: x_p..x_a
-            block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
-            block[0, 0] = x[a]
-            pos = torch.arange(a, a + cfg.block_size, device=dev)[None]
-            hidden = drafter(drafter.block_embeddings(block, embed), pos, context[None, :a],
-                             torch.arange(a, device=dev)[None])
-            drafts = drafter.logits(hidden[0, 1:], lm_head).argmax(-1)
+            drafts = draft_step(drafter, [int(x[a])], [context[:a]], embed, lm_head)[0]  # the engine's own step
             known = x[a + 1: a + cfg.block_size]
-            hit = (drafts[: len(known)] == known).int().cumprod(0).sum().item()
+            hit = int(accepted_prefix_len((drafts[: len(known)] == known)[None])[0])
             commits.append(1 + hit)
             a += 1 + hit
         per_prompt.append(sum(commits) / max(1, len(commits)))

@@ -1,5 +1,7 @@
-"""Batched drafter training: frozen target computing features on the fly, many anchors per sequence, one mask for
-all blocks, position-decayed CE, bf16 autocast on CUDA, checkpoint/resume, a time budget, a loss-curve PNG.
+"""THE drafter training loop (`Trainer`): frozen target computing features on the fly, many anchors per sequence, one
+mask for all blocks, position-decayed CE, bf16 autocast on CUDA, checkpoint/resume, a time budget, a loss-curve PNG.
+`train_drafter` runs the same Trainer on in-memory sequences (tests, tiny drafters for the serving tests), with
+`greedy_continuations` to make them.
 
 One step:
     tokens [S, T] (right-padded) --frozen target, no grad--> features [S, T, K*H] at target_layer_ids
@@ -19,9 +21,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..drafter import DFlashDrafter
+from ..acceptance import accepted_prefix_len
+from ..drafter import DFlashDrafter, check_flex_supported
 from .blocks import IGNORE, build_batch, decayed_block_loss, flex_block_mask, sample_anchors
 from .data import TokenStore
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [T] prompt + the target's own response
+    response_start: int  # position of the first response token
 
 
 @dataclass
@@ -77,15 +86,13 @@ def batch_logits_and_labels(drafter: DFlashDrafter, target_model, tokens, length
     ctx_pos = torch.arange(t, device=dev).expand(s, t)
     embeds = drafter.block_embeddings(blocks.ids, embed)
     if attention == "flex":
-        from .attention import forward_flex
-
-        mask = flex_block_mask(anchors, cfg.block_size, t, device=dev)
-        hidden = forward_flex(drafter, embeds, blocks.positions, context, ctx_pos, mask)
+        visible = flex_block_mask(anchors, cfg.block_size, t, device=dev)
     elif attention == "dense":
-        hidden = drafter(embeds, blocks.positions, context, ctx_pos, blocks.visible)
+        visible = blocks.visible
     else:
         raise ValueError(f"attention={attention!r}: use 'dense' or 'flex'")
-    logits = drafter.logits(hidden.reshape(-1, hidden.shape[-1]), lm_head)
+    hidden = drafter(embeds, blocks.positions, context, ctx_pos, visible)
+    logits = drafter.draft_logits(hidden.reshape(-1, hidden.shape[-1]), lm_head)
     return logits, blocks.labels.reshape(-1)
 
 
@@ -94,15 +101,17 @@ def accept_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int) 
     1 + the number of leading draft positions whose argmax equals the label. [N*B, V], [N*B] -> [N]."""
     hit = (logits.argmax(-1) == labels).view(-1, block_size)[:, 1:]
     valid = (labels != IGNORE).view(-1, block_size)[:, 1:]
-    return 1 + (hit & valid).int().cumprod(dim=1).sum(dim=1)
+    return 1 + accepted_prefix_len(hit & valid)
 
 
 class Trainer:
     def __init__(self, drafter: DFlashDrafter, target_model, store: TokenStore, cfg: TrainConfig,
-                 out_dir: str | Path, pad_id: int = 0, held_out: TokenStore | None = None):
+                 out_dir: str | Path | None, pad_id: int = 0, held_out: TokenStore | None = None):
+        """out_dir=None: nothing is written (no trainer state, so no resume)."""
         self.drafter, self.target, self.cfg = drafter, target_model, cfg
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
         self.device = next(target_model.parameters()).device
         self.pad_id = pad_id
         for p in target_model.parameters():
@@ -123,9 +132,7 @@ class Trainer:
         self.step, self.losses, self.history = 0, [], []
         self.autocast = cfg.bf16 and self.device.type == "cuda"
         if cfg.attention == "flex":
-            from .attention import check_flex_supported
-
-            check_flex_supported(drafter)
+            check_flex_supported(drafter.config)
             if self.device.type != "cuda":
                 raise ValueError("attention='flex' trains on CUDA only (PyTorch's flex attention has no CPU "
                                  "backward). Fix: use attention='dense' on CPU")
@@ -149,11 +156,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     @property
-    def state_path(self) -> Path:
-        return self.out_dir / "trainer_state.pt"
+    def state_path(self) -> Path | None:
+        return self.out_dir / "trainer_state.pt" if self.out_dir is not None else None
 
     def save_state(self, path: str | Path | None = None) -> Path:
         path = Path(path) if path is not None else self.state_path
+        if path is None:
+            raise ValueError("this Trainer has no out_dir. Fix: pass out_dir, or a path to save_state")
         torch.save({"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(),
                     "sched": self.sched.state_dict(), "step": self.step, "total_steps": self.total_steps,
                     "losses": self.losses, "history": self.history, "gen": self.gen.get_state(),
@@ -163,7 +172,7 @@ class Trainer:
 
     def load_state(self, path: str | Path | None = None) -> bool:
         path = Path(path) if path is not None else self.state_path
-        if not path.is_file():
+        if path is None or not path.is_file():
             return False
         st = torch.load(str(path), map_location=self.device, weights_only=False)
         self.drafter.load_state_dict(st["drafter"])
@@ -245,13 +254,38 @@ class Trainer:
                                 lr=f"{self.sched.get_last_lr()[0]:.2e}")
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                 self.history.append(self.evaluate())
-            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.out_dir is not None:
                 self.save_state()
         bar.close()
         self.history.append(self.evaluate())
-        self.save_state()
+        if self.out_dir is not None:
+            self.save_state()
         self.drafter.eval()
         return self.losses
+
+
+def train_drafter(drafter: DFlashDrafter, target_model, sequences: list[Sequence], steps: int, lr: float = 3e-3,
+                  num_anchors: int = 16, gamma: float = 7.0, seed: int = 0, progress: bool = True,
+                  weight_decay: float = 0.0) -> list[float]:
+    """Train `drafter` in place on in-memory sequences with the Trainer (one sequence per step, float32, 10% warm-up,
+    cosine to zero, nothing written to disk); returns the loss curve."""
+    vocab = target_model.get_output_embeddings().weight.shape[0]
+    store = TokenStore.from_lists([s.tokens.tolist() for s in sequences], [s.response_start for s in sequences],
+                                  ["memory"] * len(sequences), vocab)
+    cfg = TrainConfig(steps=steps, batch_size=1, num_anchors=num_anchors, lr=lr, warmup_frac=0.1, final_lr_frac=0.0,
+                      weight_decay=weight_decay, gamma=gamma, max_len=max(len(s.tokens) for s in sequences),
+                      bf16=False, seed=seed)
+    return Trainer(drafter, target_model, store, cfg, out_dir=None).fit(progress=progress, resume=False)
+
+
+@torch.inference_mode()
+def greedy_continuations(target_model, prompts: list[list[int]], max_new_tokens: int) -> list[Sequence]:
+    """The target's own greedy responses: the drafter learns the target's distribution, not a dataset's."""
+    from ..reference.engine import ReferenceEngine
+    from ..sampling import SamplingParams
+
+    results = ReferenceEngine(target_model).generate_target_only(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    return [Sequence(torch.tensor(r.prompt_ids + r.output_ids), len(r.prompt_ids)) for r in results]
 
 
 def smooth(xs: list[float], window: int) -> list[float]:

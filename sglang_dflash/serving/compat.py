@@ -1,0 +1,148 @@
+"""Everything that differs between the SGLang releases the plugin supports, in one module.
+
+Tested releases: 0.5.17 (the GPU line: torch 2.11) and 0.5.23 (the current release: torch 2.14, CPU CI). Anything
+else is refused at plugin registration (see :func:`refusal`), because our hooks patch SGLang internals by dotted
+path and an untested release may move or change them silently; ``SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG=1`` lets a
+maintainer try another release anyway.
+
+Import-light at module level (``importlib.metadata`` only): ``plugin.register`` runs in every SGLang process.
+Adapters that need SGLang import it inside the function, and prefer detecting the feature over comparing versions,
+so an allowed untested release takes the path that matches its code.
+
+What differs between 0.5.17 and 0.5.23, and where each difference is handled:
+- server arguments (startup.py): 0.5.23 seals ``ServerArgs`` while it resolves them; a resolution step reads
+  through ``resolving_view`` and writes through ``declare_resolution`` (a plain assignment raises).
+  -> :func:`args_view`, :func:`set_args`.
+- the speculative worker's constructor (worker.py): 0.5.17 passes ``ps`` (ParallelState) to the worker and to
+  ``build_draft_tp_worker``; 0.5.23 passes neither. -> :func:`draft_worker_parallel_kwargs`.
+- ``DFlashDraftInputV2``'s host copy of the reserved KV lengths (worker.py): ``reserved_seq_lens_cpu`` in 0.5.17,
+  ``nxt_kv_lens_cpu`` in 0.5.23. -> :func:`reserved_lens_cpu`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import os
+import re
+
+# (major, minor, micro) of every release the CPU serving tests pass on; keep in step with pyproject's extras
+# (serve = 0.5.17, serve-latest = 0.5.23) and the README's compatibility table.
+TESTED_RELEASES = ((0, 5, 17), (0, 5, 23))
+ALLOW_UNTESTED_ENV = "SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG"
+
+
+def _installed_sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release_of(version: str | None) -> tuple[int, ...] | None:
+    """(major, minor, micro) of a version string ("0.5.23.post1" -> (0, 5, 23)); None if it has none."""
+    m = re.match(r"^\s*v?(\d+)\.(\d+)\.(\d+)", version or "")
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+def _text(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
+SGLANG_VERSION = _installed_sglang_version()  # None without SGLang (the algorithm layer needs none)
+SGLANG_RELEASE = release_of(SGLANG_VERSION)
+SUPPORTED_TEXT = " and ".join(_text(r) for r in TESTED_RELEASES)
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    """The installed SGLang is not a release sglang-dflash was tested with; the message says the fix."""
+
+
+def _allow_untested() -> bool:
+    return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def refusal(version: str | None = None) -> str | None:
+    """Why the plugin must not run on SGLang ``version`` (the installed one by default), or None if it may.
+
+    A release outside :data:`TESTED_RELEASES` is refused unless ``SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG=1``."""
+    version = SGLANG_VERSION if version is None else version
+    if release_of(version) in TESTED_RELEASES or _allow_untested():
+        return None
+    return (f"sglang {version or '(not installed)'} is not supported by sglang-dflash: it supports SGLang "
+            f"{SUPPORTED_TEXT} (tested releases only, since its hooks patch SGLang internals that move between "
+            f"releases). Fix: pip install 'sglang==0.5.17' (GPU line, torch 2.11) or 'sglang==0.5.23' (torch 2.14), "
+            f"i.e. pip install 'sglang-dflash[serve]' or 'sglang-dflash[serve-latest]'; or set "
+            f"{ALLOW_UNTESTED_ENV}=1 to try this release at your own risk; or set SGLANG_DFLASH_WORKER=builtin to run "
+            f"SGLang's own DFLASH worker without this plugin")
+
+
+def check_supported(version: str | None = None) -> None:
+    """Raise :class:`UnsupportedSGLangVersion` if the plugin must not run on SGLang ``version``."""
+    reason = refusal(version)
+    if reason is not None:
+        raise UnsupportedSGLangVersion(reason)
+
+
+# --------------------------------------------------------------------------------------------- server arguments
+def _sealed(server_args) -> bool:
+    # 0.5.23 seals the record while resolving (`_input_frozen`); 0.5.17 has no such flag and is assigned directly
+    return bool(getattr(server_args, "_input_frozen", False))
+
+
+def args_view(server_args):
+    """What server-argument resolution has decided so far (0.5.23: raw inputs + earlier declarations)."""
+    if _sealed(server_args):
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        return resolving_view(server_args)
+    return server_args
+
+
+def set_args(server_args, source: str, **fields) -> None:
+    """Set server arguments from a resolution step (0.5.23: a declaration named ``source``; 0.5.17: assignment)."""
+    if _sealed(server_args):
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(server_args, source, **fields)
+        return
+    for name, value in fields.items():
+        setattr(server_args, name, value)
+
+
+def dp_attention_enabled(cfg) -> bool:
+    """DP attention requested: 0.5.17's ``--enable-dp-attention``; 0.5.23 deprecates it for ``--attn-dp-size``."""
+    return bool(getattr(cfg, "enable_dp_attention", False)) or int(getattr(cfg, "attn_dp_size", 1) or 1) > 1
+
+
+def target_hf_config(server_args):
+    """The target's Hugging Face config (0.5.17: ``ServerArgs.get_model_config``; 0.5.23: ``model_config_of``)."""
+    if hasattr(server_args, "get_model_config"):
+        return server_args.get_model_config().hf_config
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    return model_config_of(server_args).hf_config
+
+
+# ------------------------------------------------------------------------------------------ speculative worker
+def draft_worker_parallel_kwargs(ps) -> dict:
+    """The parallel-state argument ``build_draft_tp_worker`` takes: 0.5.17 wants ``ps`` (pipeline rank 0: the
+    draft runs whole on every stage), 0.5.23 reads the process's parallel state itself and takes none."""
+    from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
+
+    if "ps" not in inspect.signature(build_draft_tp_worker).parameters:
+        return {}
+    if ps is None:
+        raise TypeError(f"sglang {SGLANG_VERSION}: build_draft_tp_worker needs the ParallelState `ps`, but the "
+                        "scheduler passed none to the DFLASH worker")
+    from dataclasses import replace
+
+    return {"ps": replace(ps, pp_rank=0)}
+
+
+def reserved_lens_cpu(state):
+    """Host copy of the KV lengths reserved for the next step (``DFlashDraftInputV2``), or None."""
+    lens = getattr(state, "nxt_kv_lens_cpu", None)  # 0.5.23
+    if lens is None:
+        lens = getattr(state, "reserved_seq_lens_cpu", None)  # 0.5.17
+    return lens
