@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+TRAIN_PROMPT_SEED = 123  # the drafters of these pairs are trained on random_prompts(48, vocab, seed=123)
 VOCAB_SPECIALS = 5  # ids 0..4 are special tokens (see cpu_support.SPECIALS)
 
 
@@ -32,7 +33,8 @@ def _build(root: Path, name: str, make_info, train_steps: int = 0, **target_kw) 
     drafter = tiny_drafter(target.config, mask_token_id=4, num_layers=1, block_size=16)
     losses = []
     if train_steps:
-        seqs = greedy_continuations(target, random_prompts(48, target.config.vocab_size, seed=123), max_new_tokens=64)
+        seqs = greedy_continuations(target, random_prompts(48, target.config.vocab_size, seed=TRAIN_PROMPT_SEED),
+                                    max_new_tokens=64)
         losses = train_drafter(drafter, target, seqs, steps=train_steps, lr=3e-3, progress=False)
     save_drafter_dir(drafter, target_dir, draft_dir)
     info = make_info(target, drafter, losses)

@@ -32,7 +32,7 @@ from .compare import ALPHA, Histogram, check_all, check_greedy, complete, genera
 from .compare import wait_all_healthy  # noqa: E402
 from .compare import client as _client  # noqa: E402
 from .compare import port  # noqa: E402
-from .models import random_prompts  # noqa: E402
+from .models import TRAIN_PROMPT_SEED, random_prompts  # noqa: E402
 
 MAX_TOKENS = 48
 MODES = {"overlap": 30000, "no_overlap": 30002}  # mode -> port of its DFLASH server
@@ -191,7 +191,9 @@ def test_mixed_greedy_and_sampled_batch(servers):
     min-p; top-k on half of them) are complete and every sampled token lies inside the target's processed support.
     A greedy row with logit_bias equals the baseline with the same bias (the verify adds it to every block row)."""
     spec, base, model, vocab = servers["spec"], servers["base"], servers["target"], servers["vocab"]
-    greedy_p = random_prompts(8, vocab, seed=41)
+    # the drafter's own training prompts (models.build_pair): the assertion below needs multi-token commits in the
+    # mixed batch, and on unseen random prompts a 300-step tiny drafter may accept nothing (equality holds on any)
+    greedy_p = random_prompts(48, vocab, seed=TRAIN_PROMPT_SEED)[:8]
     sampled_p = random_prompts(8, vocab, seed=42)
     biased_p = greedy_p[0]
 
