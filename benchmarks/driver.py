@@ -33,8 +33,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from sglang_dflash.testing import WORKER_ENV, Server, server_argv as launch_argv
 
 from . import bench, report
 
@@ -51,72 +52,6 @@ PLUGIN_CHECK = (
     "print(eps[0].name, eps[0].value)\n")
 
 
-class Server:
-    """One SGLang server in its own process group; always stopped by ``stop()`` (also on errors)."""
-
-    def __init__(self, argv: list[str], env: dict, log: Path, url: str):
-        self.argv, self.env, self.log, self.url = argv, env, log, url
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.log, "w")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        fh.close()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_healthy(self, wait_s: float, poll_s: float = 2.0) -> tuple[bool, str]:
-        t0 = time.time()
-        while time.time() - t0 < wait_s:
-            if not self.alive():
-                return False, f"server exited with code {self.proc.returncode} before becoming healthy"
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return True, f"healthy after {time.time() - t0:.0f} s"
-            except Exception:
-                pass
-            time.sleep(poll_s)
-        return False, f"not healthy after {wait_s:.0f} s"
-
-    def stop(self, wait_s: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-
-        def group_gone() -> bool:
-            self.proc.poll()  # reap the leader, or its zombie keeps the group id alive
-            try:
-                os.killpg(pgid, 0)
-                return False
-            except ProcessLookupError:
-                return True
-
-        for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 10.0)):
-            if group_gone():
-                break
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            t0 = time.time()
-            while time.time() - t0 < wait and not group_gone():
-                time.sleep(0.2)
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
 def method_variant(method: str) -> tuple[str, dict]:
     """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls."""
     if method == "ours-fixed":
@@ -131,8 +66,7 @@ def method_variant(method: str) -> tuple[str, dict]:
 
 def server_argv(args, method: str) -> list[str]:
     method = method_variant(method)[0]
-    argv = [args.python, "-m", "sglang.launch_server", "--model-path", args.target, "--host", args.host,
-            "--port", str(args.port)] + shlex.split(args.common_args)
+    argv = launch_argv(args.target, args.port, args.host, shlex.split(args.common_args), args.python)
     if args.dummy:
         argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
     if method != "none":
@@ -193,18 +127,19 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
     shown_env += "".join(f"{k}={v} " for k, v in method_variant(method)[1].items())
     cmd = shown_env + " ".join(map(shlex.quote, argv))
     driver_info["server_commands"][method] = cmd
-    srv = Server(argv, env, out / f"{method}.server.log", f"http://{args.host}:{args.port}")
+    srv = Server(argv, out / f"{method}.server.log", args.port, args.host, env)
     print(f"[driver] {method}: starting: {cmd}", flush=True)
     t0 = time.time()
     try:
         srv.start()
         print(f"[driver] {method}: server pid {srv.pid}", flush=True)
-        ok, why = srv.wait_healthy(args.wait_s)
-        print(f"[driver] {method}: {why}", flush=True)
-        if not ok:
-            write_skip(out, method, f"{why}; log tail:\n{srv.log_tail()}", {"server_command": cmd})
+        try:
+            print(f"[driver] {method}: healthy after {srv.wait_healthy(args.wait_s, poll_s=2.0):.0f} s", flush=True)
+        except (RuntimeError, TimeoutError) as e:  # the message ends with the server's log tail
+            print(f"[driver] {method}: {str(e).splitlines()[0]}", flush=True)
+            write_skip(out, method, str(e), {"server_command": cmd})
             return
-        if base == "ours" and not re.search(args.ours_log_marker, srv.log.read_text(errors="replace")):
+        if base == "ours" and not re.search(args.ours_log_marker, srv.log_path.read_text(errors="replace")):
             write_skip(out, method, f"server came up but its log has no line matching --ours-log-marker "
                        f"{args.ours_log_marker!r}, so it may be SGLang's builtin worker; not reported as ours",
                        {"server_command": cmd})
@@ -234,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dummy", action="store_true",
                    help="random weights: --load-format dummy (+ draft), --skip-tokenizer-init; tau is then a cost "
                         "measurement only")
-    p.add_argument("--worker-env", default="SGLANG_DFLASH_WORKER=builtin",
+    p.add_argument("--worker-env", default=f"{WORKER_ENV}=builtin",
                    help="VAR=VALUE that makes our plugin select SGLang's builtin worker; VAR is unset for ours")
     p.add_argument("--ours-env", action="append", help="extra VAR=VALUE for the ours server (repeatable)")
     p.add_argument("--ours-log-marker", default=r"sglang_dflash",

@@ -16,6 +16,8 @@ import sys
 
 from aiohttp import web
 
+from sglang_dflash.serving.plugin import WORKER_ENV
+
 
 def parse(argv):
     p = argparse.ArgumentParser()
@@ -26,7 +28,7 @@ def parse(argv):
     p.add_argument("--speculative-num-draft-tokens", type=int, default=16)
     p.add_argument("--fake-tau", type=int, default=3)
     p.add_argument("--fake-step-s", type=float, default=0.002)
-    p.add_argument("--fake-switch-var", default="SGLANG_DFLASH_WORKER")
+    p.add_argument("--fake-switch-var", default=WORKER_ENV)
     a, _ = p.parse_known_args(argv)
     return a
 

@@ -22,7 +22,7 @@ if [ -n "${OUT:-}" ]; then
   MIRROR=$!
   trap 'kill $MIRROR 2>/dev/null' EXIT
 fi
-[ -d "/tmp/shape-$SHAPE" ] || python3 -m sglang_dflash.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
+[ -d "/tmp/shape-$SHAPE" ] || python3 -m sglang_dflash.targets.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
 timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" \
   --draft "/tmp/shape-$SHAPE/draft" --dummy --methods "${METHODS:-none,builtin,ours}" --out "$RUN" \
   --wait-s "${WAIT_S:-300}" ${COMMON_ARGS:+--common-args "$COMMON_ARGS"} --title "$SHAPE-shaped random weights: step cost" ${DRIVER_ARGS:-} -- \

@@ -25,9 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sglang_dflash.serving.cpu_support import launch_server
-
-WORKER_ENV = "SGLANG_DFLASH_WORKER"
+from sglang_dflash.testing import launch_server, worker_env
 
 
 def post(url: str, body: dict, timeout: float = 300.0) -> dict:
@@ -90,8 +88,8 @@ def build_tiny(root: Path) -> tuple[Path, Path]:
     """A float32-capable tiny Qwen3 target (peaky logits) and a drafter trained on its greedy continuations."""
     import torch
 
-    from sglang_dflash.serving.cpu_support import save_drafter_dir, save_tiny_target
-    from sglang_dflash.tiny import tiny_drafter
+    from sglang_dflash.targets.tiny import tiny_drafter
+    from sglang_dflash.testing import save_drafter_dir, save_tiny_target
     from sglang_dflash.train.loop import greedy_continuations, train_drafter
 
     target_dir, draft_dir = root / "target", root / "draft"
@@ -167,9 +165,7 @@ def main(argv=None) -> int:
         for item in [m for m in args.methods.split(",") if m]:
             method, _, backend = item.partition("@")
             name = f"{method}_{backend}" if backend else method
-            menv = dict(env, **({WORKER_ENV: "builtin"} if method == "builtin" else {}))
-            if method != "builtin":
-                menv.pop(WORKER_ENV, None)
+            menv = worker_env(env, builtin=method == "builtin")
             server = launch_server(target, 30000, args.out / f"{name}.log",
                                    spec_args + ["--speculative-draft-attention-backend", backend or "triton"], menv)
             t0 = time.time()

@@ -36,7 +36,7 @@ if [ "${1:-}" = "--split" ]; then
   name=${2:?usage: gpu_stage.sh --split smollm2|gemma3|fa4}
   case $name in
     smollm2|gemma3)
-      src=$(python3 -c "from sglang_dflash import $name; print($name.gguf_path())") || exit 1
+      src=$(python3 -c "from sglang_dflash.targets import $name; print($name.gguf_path())") || exit 1
       split_payload "$name" "$src" || exit 1
       python3 -m pip download --no-deps -q -d ".stage/$name/p0" gguf==0.19.0 || exit 1 ;;
     fa4)  # CUTLASS DSL for cp312 / CUDA 13 only, stripped, xz-compressed (~63 MB)
@@ -78,6 +78,6 @@ case $name in
     python3 -m pip install --no-deps -q --target /tmp/gguf-site "$stage"/gguf-*.whl || exit 1
     env_var=$(echo "$name" | tr a-z A-Z)_GGUF
     env PYTHONPATH="/tmp/gguf-site:$PWD:${PYTHONPATH:-}" "$env_var=$stage/model.gguf" \
-      python3 -c "from sglang_dflash import $name; print($name.convert('/tmp/$name'))" || exit 1 ;;
+      python3 -c "from sglang_dflash.targets import $name; print($name.convert('/tmp/$name'))" || exit 1 ;;
 esac
 echo "$name staged"

@@ -29,6 +29,8 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+from sglang_dflash.testing import Server
+
 from . import driver
 
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -206,13 +208,15 @@ def profile_method(args, dargs, method: str, out: Path) -> dict:
     tdir = out / "traces" / method
     tdir.mkdir(parents=True, exist_ok=True)
     env["SGLANG_TORCH_PROFILER_DIR"] = str(tdir)
-    srv = driver.Server(argv, env, out / f"profile_{method}.server.log", f"http://{dargs.host}:{dargs.port}")
+    srv = Server(argv, out / f"profile_{method}.server.log", dargs.port, dargs.host, env)
     load = None
     try:
         srv.start()
-        ok, why = srv.wait_healthy(args.wait_s)
-        print(f"[profile] {method}: {why}", flush=True)
-        if not ok:
+        try:
+            print(f"[profile] {method}: healthy after {srv.wait_healthy(args.wait_s, poll_s=2.0):.0f} s", flush=True)
+        except (RuntimeError, TimeoutError) as e:  # the message ends with the server's log tail
+            why = str(e).splitlines()[0]
+            print(f"[profile] {method}: {why}", flush=True)
             return {"skipped": why, "log_tail": srv.log_tail()}
         load = Load(srv.url, args.concurrency, args.prompt_len, args.max_new_tokens, args.vocab)
         load.start()

@@ -97,7 +97,7 @@ def load(path: str | Path = DEFAULT_PATH, datasets: list[str] | None = None) -> 
 
 def chat_prompt_ids(tokenizer, n: int, path: str | Path = DEFAULT_PATH) -> list[list[int]]:
     """The first turns of the first n items, datasets interleaved, as chat-template token ids of `tokenizer`."""
-    from sglang_dflash.gguf_wheels import prompt_ids
+    from sglang_dflash.targets.gguf_wheels import prompt_ids
 
     sets = list(load(path).values())
     texts = [s[i]["turns"][0] for i in range(n) for s in sets if i < len(s)][:n]

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from benchmarks import prompts as prompt_sets
-    from sglang_dflash import smollm2
+    from sglang_dflash.targets import smollm2
     from sglang_dflash.checkpoint import load_drafter
     from sglang_dflash.demo import drafter_path
     from sglang_dflash.reference.engine import ReferenceEngine

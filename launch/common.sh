@@ -1,7 +1,7 @@
 # launch/common.sh - shared body of the launch scripts (sourced, not run).
 #
 # A model script sets, then calls `launch_main "$@"`:
-#   NAME          preset name (also the sglang_dflash.shapes name for --dummy)
+#   NAME          preset name (also the sglang_dflash.targets.shapes name for --dummy)
 #   TARGET        default target (HF id or directory; the TARGET_PATH env var overrides)
 #   DRAFT         default DFlash drafter (the DRAFT_PATH env var overrides)
 #   PREPARE       optional: Python code that creates the default TARGET when it is missing (run once, not on
@@ -16,7 +16,7 @@
 #                                worker, selected with $DFLASH_WORKER_ENV (default SGLANG_DFLASH_WORKER=builtin);
 #                                none: the target alone
 #   --dummy DIR                  exact-shape random weights: writes DIR/target and DIR/draft configs with
-#                                `python -m sglang_dflash.shapes write NAME DIR` if absent, and serves them with
+#                                `python -m sglang_dflash.targets.shapes write NAME DIR` if absent, and serves them with
 #                                --load-format dummy (+ draft) --skip-tokenizer-init. Cost only: never report
 #                                acceptance from it.
 #   --cpu                        a CPU machine: hands target + drafter to `python -m sglang_dflash serve
@@ -73,7 +73,7 @@ launch_main() {
     if [ -n "$dummy" ]; then
       target="$dummy/target"; draft="$dummy/draft"
       if [ "$dry" = 0 ] && [ ! -f "$target/config.json" ]; then
-        ${PYTHON:-python3} -m sglang_dflash.shapes write "$NAME" "$dummy" >&2
+        ${PYTHON:-python3} -m sglang_dflash.targets.shapes write "$NAME" "$dummy" >&2
       fi
       more=(--load-format dummy --skip-tokenizer-init --speculative-draft-load-format dummy)
     fi
@@ -87,7 +87,7 @@ launch_main() {
   if [ -n "$dummy" ]; then
     target="$dummy/target"; draft="$dummy/draft"
     if [ "$dry" = 0 ] && [ ! -f "$target/config.json" ]; then
-      ${PYTHON:-python3} -m sglang_dflash.shapes write "$NAME" "$dummy" >&2
+      ${PYTHON:-python3} -m sglang_dflash.targets.shapes write "$NAME" "$dummy" >&2
     fi
     args=(--model-path "$target" --host "$host" --port "$port" "${COMMON_ARGS[@]}"
           --load-format dummy --skip-tokenizer-init)

@@ -8,5 +8,5 @@ COMMON_ARGS=(--attention-backend "${ATTN_BACKEND:-triton}" --sampling-backend py
              --cuda-graph-max-bs-decode 128 --max-running-requests 128)
 SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-triton}")
-NOTES=("drafter shape for --dummy is UNVERIFIED (see sglang_dflash/shapes.py)")
+NOTES=("drafter shape for --dummy is UNVERIFIED (see sglang_dflash/targets/shapes.py)")
 launch_main "$@"

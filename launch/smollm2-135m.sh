@@ -7,7 +7,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 NAME=smollm2-135m
 TARGET=${SGLANG_DFLASH_CACHE:-$HOME/.cache/sglang_dflash}/SmolLM2-135M-Instruct
 DRAFT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16
-PREPARE="from sglang_dflash import smollm2; smollm2.convert()"
+PREPARE="from sglang_dflash.targets import smollm2; smollm2.convert()"
 COMMON_ARGS=(--attention-backend "${ATTN_BACKEND:-triton}" --sampling-backend pytorch --mem-fraction-static 0.5
              --cuda-graph-max-bs-decode 128 --max-running-requests 128)
 SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16

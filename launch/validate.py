@@ -19,8 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_dflash.serving.plugin import WORKER_ENV as SWITCH
+
 HERE = Path(__file__).resolve().parent
-SWITCH = "SGLANG_DFLASH_WORKER"
 
 
 def sglang_parser() -> argparse.ArgumentParser:

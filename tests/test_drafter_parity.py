@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_dflash.drafter import DFlashDrafter
-from sglang_dflash.tiny import tiny_drafter, tiny_target
+from sglang_dflash.targets.tiny import tiny_drafter, tiny_target
 
 IN_CPU_ENGINE = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 in_cpu_engine = pytest.mark.skipif(not IN_CPU_ENGINE, reason="runs inside test_parity_in_sglang_cpu_engine")
@@ -123,7 +123,7 @@ def inputs(target, drafter, seed=0):
 def test_parity_in_sglang_cpu_engine(tmp_path):
     import shutil
 
-    from sglang_dflash.serving.cpu_support import build_stub_libcuda, cpu_server_env
+    from sglang_dflash.testing import build_stub_libcuda, cpu_server_env
 
     if not shutil.which("gcc"):
         pytest.skip("the stub libcuda needs gcc")

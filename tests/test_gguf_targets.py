@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from sglang_dflash.gguf_wheels import WheelGGUF
+from sglang_dflash.targets.gguf_wheels import WheelGGUF
 
 gguf = pytest.importorskip("gguf")
 
@@ -53,7 +53,7 @@ def _write_vocab_gguf(path, tokens, scores, types):
 def test_gemma_tokenizer_merges_by_score_not_unigram(tmp_path):
     """Scores are merge ranks (higher merges first): "▁cat" must come out whole even though, read as Unigram
     log-probabilities, its score is lower than the sum of its pieces' (the transformers 5.12 GGUF reader's bug)."""
-    from sglang_dflash import gemma3
+    from sglang_dflash.targets import gemma3
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]

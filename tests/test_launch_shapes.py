@@ -1,4 +1,4 @@
-"""The exact-shape config tool (sglang_dflash.shapes): shapes against published parameter counts, drafter configs
+"""The exact-shape config tool (sglang_dflash.targets.shapes): shapes against published parameter counts, drafter configs
 against our config parser, a tiny instantiation, and the files it writes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from sglang_dflash import shapes
+from sglang_dflash.targets import shapes
 from sglang_dflash.config import DFlashConfig
 
 

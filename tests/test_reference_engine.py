@@ -11,7 +11,7 @@ from _stats import detectable_tv, grouped_chi2
 
 from sglang_dflash.reference import ReferenceEngine
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs
-from sglang_dflash.tiny import tiny_drafter, tiny_target
+from sglang_dflash.targets.tiny import tiny_drafter, tiny_target
 from sglang_dflash.train.loop import Sequence, greedy_continuations, train_drafter
 
 ARCHS = ["llama", "qwen3", "gemma3"]

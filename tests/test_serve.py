@@ -159,7 +159,7 @@ def test_missing_draft_path_gets_our_error_in_sglang(tmp_path):
     missing drafter directory is reported by us, naming it, before huggingface_hub's "Repo id must be in the form"
     (which is what an absolute path with several slashes otherwise gets)."""
     pytest.importorskip("sglang")
-    from sglang_dflash import smollm2
+    from sglang_dflash.targets import smollm2
 
     target = smollm2.default_dir()
     if not (target / "config.json").is_file():

@@ -1,4 +1,4 @@
-"""Every shape of `sglang_dflash.shapes` through SGLang 0.5.17's own start-up code, with and without DFLASH (CPU).
+"""Every shape of `sglang_dflash.targets.shapes` through SGLang 0.5.17's own start-up code, with and without DFLASH (CPU).
 
 One subprocess (tests/shape_startup_probe.py) imports SGLang once and, per shape shrunk to a few layers, runs SGLang's
 argument parser + ServerArgs post-init (our plugin's DFLASH checks included), ModelConfig, and the KV-cache
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dflash import shapes
+from sglang_dflash.targets import shapes
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("sglang")
@@ -43,7 +43,7 @@ def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("shape_startup")
     env = None
     if shutil.which("gcc"):  # SGLang's CPU engine (stub libcuda): the probe then builds the models too
-        from sglang_dflash.serving.cpu_support import build_stub_libcuda, cpu_server_env
+        from sglang_dflash.testing import build_stub_libcuda, cpu_server_env
 
         env = cpu_server_env(build_stub_libcuda(out / "stub"))
     r = subprocess.run([sys.executable, str(PROBE), str(out)], capture_output=True, text=True, timeout=600, env=env)

@@ -31,7 +31,7 @@ def baseline(dflash_pair):
     pytest.importorskip("openai")
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build the stub libcuda.so.1")
-    from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server
+    from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server
 
     from .compare import FLOAT32, port
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server
+from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server
 
 from .compare import FLOAT32, generate, port
 from .models import build_gemma3_pair, build_pair, random_prompts

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 TRAIN_PROMPT_SEED = 123  # the drafters of these pairs are trained on random_prompts(48, vocab, seed=123)
-VOCAB_SPECIALS = 5  # ids 0..4 are special tokens (see cpu_support.SPECIALS)
+VOCAB_SPECIALS = 5  # ids 0..4 are special tokens (see sglang_dflash.testing.checkpoints.SPECIALS)
 
 
 def random_prompts(n: int, vocab: int, seed: int, lo: int = 4, hi: int = 24) -> list[list[int]]:
@@ -19,8 +19,8 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 4, hi: int = 24) -> 
 
 def _build(root: Path, name: str, make_info, train_steps: int = 0, **target_kw) -> tuple[Path, Path, dict]:
     """Target + drafter checkpoint dirs under root (cached: info.json marks a finished build) and the stub libcuda."""
-    from sglang_dflash.serving.cpu_support import build_stub_libcuda, save_drafter_dir, save_tiny_target
-    from sglang_dflash.tiny import tiny_drafter
+    from sglang_dflash.testing import build_stub_libcuda, save_drafter_dir, save_tiny_target
+    from sglang_dflash.targets.tiny import tiny_drafter
     from sglang_dflash.train.loop import greedy_continuations, train_drafter
 
     target_dir, draft_dir = root / f"{name}target", root / f"{name}draft"
@@ -64,7 +64,7 @@ def build_gemma3_pair(root: Path, train_steps: int = 300) -> tuple[Path, Path, d
 
 
 def build_family_pair(root: Path, arch: str, train_steps: int = 300) -> tuple[Path, Path, dict]:
-    """A float32 tiny target of another family (sglang_dflash.tiny: qwen2, mistral, phi3, ...) and a drafter, trained
+    """A float32 tiny target of another family (sglang_dflash.targets.tiny: qwen2, mistral, phi3, ...) and a drafter, trained
     like build_pair's when train_steps > 0 (so that verify steps commit several tokens) or left random (enough to
     drive forwards, e.g. for the capture check). Cached per family and step count."""
     return _build(root, f"{arch}_{train_steps}_", lambda target, drafter, losses: {

@@ -143,10 +143,12 @@ def test_untested_release_stops_a_dflash_start_for_real(dflash_pair):
     import subprocess
     import sys
 
+    from sglang_dflash.serving.plugin import WORKER_ENV
+
     root, target, draft, _ = dflash_pair
     argv = ["--model-path", str(target), "--device", "cpu", "--speculative-algorithm", "DFLASH",
             "--speculative-draft-model-path", str(draft)]
-    env = {k: v for k, v in os.environ.items() if k not in (compat.ALLOW_UNTESTED_ENV, "SGLANG_DFLASH_WORKER")}
+    env = {k: v for k, v in os.environ.items() if k not in (compat.ALLOW_UNTESTED_ENV, WORKER_ENV)}
     proc = subprocess.run([sys.executable, "-c", REFUSAL_PROBE, *argv], capture_output=True, text=True,
                           timeout=300, env=env)
     out = proc.stdout + proc.stderr

@@ -34,7 +34,7 @@ openai = pytest.importorskip("openai")
 if shutil.which("gcc") is None:
     pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
 
-from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
+from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
 from .compare import (FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, check_all, check_greedy,  # noqa: E402
                       client, full_logprobs, generate, greedy, port, processed, wait_all_healthy)

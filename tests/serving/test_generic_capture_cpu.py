@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 if shutil.which("gcc") is None:
     pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
 
-from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
+from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
 from .compare import FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, compare_greedy, greedy, port  # noqa: E402
 from .compare import wait_all_healthy  # noqa: E402

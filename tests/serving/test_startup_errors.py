@@ -104,12 +104,12 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
 
 
 def test_launch_server_exits_nonzero(pair):
-    from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env
+    from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, server_argv
 
     root, target, draft = pair
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target), "--port", "30009",
-            *CPU_SERVER_ARGS, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
-            "--speculative-num-draft-tokens", "8"]
+    argv = server_argv(target, 30009, args=[*CPU_SERVER_ARGS, "--speculative-algorithm", "DFLASH",
+                                            "--speculative-draft-model-path", str(draft),
+                                            "--speculative-num-draft-tokens", "8"])
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=cpu_server_env(root / "stub"),
                           start_new_session=True)
     assert proc.returncode != 0
@@ -118,9 +118,11 @@ def test_launch_server_exits_nonzero(pair):
 
 def test_env_switch_selects_builtin_worker(pair):
     """SGLANG_DFLASH_WORKER=builtin leaves SGLang's own DFLASH in place: on CPU it then refuses, as upstream does."""
+    from sglang_dflash.testing import worker_env
+
     root, target, draft = pair
     cases = {"good": _argv(target, draft, "--speculative-num-draft-tokens", "16")}
-    env = dict(os.environ, SGLANG_DFLASH_WORKER="builtin")
+    env = worker_env(os.environ, builtin=True)
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True,
                           timeout=240, env=env)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS")]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config import published_drafter_config
+from ..config import published_drafter_config
 from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_dequantized, prompt_ids, write_checkpoint
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -116,10 +116,11 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
     return prompt_ids(tokenizer, user_text)
 
 
-def drafter_config(num_layers: int = 3, target_layer_ids=(1, 4, 8, 11, 15), block_size: int = 16) -> dict:
+def drafter_config(num_layers: int = 3, target_layer_ids=(1, 4, 8, 11, 15), block_size: int = 16,
+                   intermediate_size: int = 2048) -> dict:
     """config.json of a DFlash drafter for Gemma-3-270M in the published layout (Qwen3 field names; Gemma's
     sqrt(hidden) input scale on the block embeddings, which the target applies to its own inputs too)."""
-    return published_drafter_config(18, hidden=640, inter=2048, layers=num_layers, heads=4, kv=2, head_dim=128,
+    return published_drafter_config(18, hidden=640, inter=intermediate_size, layers=num_layers, heads=4, kv=2, head_dim=128,
                                     vocab=VOCAB_SIZE, ids=list(target_layer_ids), mask=MASK_TOKEN_ID,
                                     rope_theta=1000000.0, max_pos=32768, block=block_size,
                                     input_embedding_scale=640 ** 0.5)

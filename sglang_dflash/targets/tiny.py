@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import DFlashConfig
-from .drafter import DFlashDrafter
+from ..config import DFlashConfig
+from ..drafter import DFlashDrafter
 
 ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3")
 
@@ -58,7 +58,7 @@ def tiny_drafter_config(target_config, num_layers: int = 1, block_size: int = 16
                         target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                         **overrides) -> dict:
     """A config.json dict in the published layout, shaped for `target_config`."""
-    from .config import embedding_scale_for_target
+    from ..config import embedding_scale_for_target
 
     n_target = target_config.num_hidden_layers
     hidden = target_config.hidden_size

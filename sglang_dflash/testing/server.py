@@ -1,0 +1,124 @@
+"""THE server launcher: the `python -m sglang.launch_server` command line, and a server process that is always
+stopped, for the CPU server tests, the benchmarks (driver, gpu_e2e) and `sglang-dflash serve`.
+
+A server runs in its own session (process group) and is stopped by signalling that group by PID (TERM, then KILL):
+SGLang starts scheduler and detokenizer children, and killing the launcher alone would leave them running.
+(launch/common.sh builds the same command in shell: see docs/ARCHITECTURE.md.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from ..serving.plugin import WORKER_ENV
+
+__all__ = ["WORKER_ENV", "Server", "launch_server", "server_argv", "worker_env"]
+
+
+def server_argv(model_path: str | Path, port: int, host: str = "127.0.0.1", args: list[str] = (),
+                python: str = sys.executable) -> list[str]:
+    """The one `launch_server` command line: model, host, port, then `args` as given."""
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+            "--port", str(port), *args]
+
+
+def worker_env(env: dict, builtin: bool) -> dict:
+    """`env` with the plugin's worker switch set to SGLang's builtin worker, or removed (our worker)."""
+    env = dict(env)
+    if builtin:
+        env[WORKER_ENV] = "builtin"
+    else:
+        env.pop(WORKER_ENV, None)
+    return env
+
+
+class Server:
+    """One launch_server process in its own process group; `stop()` kills that group by PID."""
+
+    def __init__(self, argv: list[str], log_path: str | Path, port: int, host: str = "127.0.0.1",
+                 env: dict | None = None):
+        self.argv, self.log_path, self.port, self.host, self.env = list(argv), Path(log_path), port, host, env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> Server:
+        """Start the process and return at once (wait with `wait_healthy`)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> float:
+        """Poll /health until it answers 200; returns the seconds waited. Raises RuntimeError if the process exits
+        first, TimeoutError after timeout_s; both messages end with the log tail."""
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if not self.alive():
+                code = self.proc.returncode if self.proc else "never started"
+                raise RuntimeError(f"server exited with {code} before /health; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.time() - t0
+            except OSError:
+                pass
+            time.sleep(poll_s)
+        raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """TERM the process group, KILL it after grace_s, and reap the leader."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session=True: the server leads its own group
+
+        def group_gone() -> bool:
+            self.proc.poll()  # reap the leader: a zombie still counts as a member of its group
+            try:
+                os.killpg(pgid, 0)
+                return False
+            except ProcessLookupError:
+                return True
+
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if group_gone():
+                break
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            t0 = time.time()
+            while time.time() - t0 < wait_s and not group_gone():
+                time.sleep(0.2)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def launch_server(model_path: str | Path, port: int, log_path: str | Path, extra_args: list[str] = (),
+                  env: dict | None = None, host: str = "127.0.0.1") -> Server:
+    """Start `python -m sglang.launch_server` (own process group) and return at once."""
+    return Server(server_argv(model_path, port, host, list(extra_args)), log_path, port, host, env).start()
