@@ -3,7 +3,7 @@
 Shapes: N requests, block size B. ``drafts`` [N, B-1] are the drafter's tokens for block positions 1..B-1;
 the target scored the block [bonus, d_1, .., d_{B-1}], so its row i (logits or probabilities) predicts position i+1.
 
-Both rules return ``(commit_lens, tokens)``: ``commit_lens`` [N] int64 in 1..B = accepted drafts + 1, and
+The rules return ``(commit_lens, tokens)``: ``commit_lens`` [N] int64 in 1..B = accepted drafts + 1, and
 ``tokens`` [N, B] whose first commit_len entries are the accepted drafts followed by the target's own token
 (the next bonus); the rest is -1. No host synchronisation.
 """
@@ -63,3 +63,74 @@ def verify_sampled(drafts: torch.Tensor, target_probs: torch.Tensor,
                                                p_next[rows, rejected_draft])
     p_next = p_next / p_next.sum(dim=-1, keepdim=True)
     return _assemble(drafts, accepted, sample_from_probs(p_next, generator))
+
+
+# Floats in one chunk of scaled draft rows in verify_sampled_logits when N x V is smaller (64 MiB of float32): small
+# batches then take one chunk (few kernel launches), large ones B-1 chunks of ~N rows, so the extra memory stays
+# O(max(N x V, this)) instead of the dense path's several [N x B, V] float32 tensors.
+_LSE_CHUNK_ELEMENTS = 1 << 24
+
+
+def _scaled_logsumexp(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """logsumexp(logits / temp) over the last dim in float32 with one [.., V] float32 buffer, updated in place
+    (torch.logsumexp allocates two more). logits is a strided [c, B-1, V] view: dividing it by the float32
+    temperature makes the float32 copy whatever its dtype, without reshaping (which would copy all its rows)."""
+    x = logits / temp
+    top = x.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf only: lse -inf, not NaN
+    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top[..., 0])
+
+
+def verify_sampled_logits(drafts: torch.Tensor, target_logits: torch.Tensor, temperature: torch.Tensor,
+                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_sampled(drafts, processed_probs(logits, s, filtered=False)) without the dense probabilities.
+
+    For batches where no row uses top-k, top-p or min-p, the processed distribution of row i is
+    p_i = softmax(l_i / T) (a point mass on the argmax, first index on ties, where T == 0), so the rule needs
+    only:
+      - p_i(d_i) = exp(l_i[d_i] / T - logsumexp(l_i / T)) for the B-1 drafts: one reduction over V per row,
+        computed in float32 over chunks of requests of at most max(N x V, _LSE_CHUNK_ELEMENTS) floats (the
+        [N, B, V] float32 probabilities of the dense path are never built);
+      - the next token from the ONE row per request at the accepted position a (gathered: [N, V]): an exponential
+        race argmax(l_a / T - log E), E ~ Exp(1), which draws from softmax(l_a / T); the rejected draft d_a is
+        set to -inf first (p_a with d_a's mass removed and renormalised), unless every draft was accepted.
+    Greedy rows (T == 0): draft i is accepted iff it is the argmax of row i (p_i(d_i) is exactly 1 or 0) and the
+    next token is the argmax of row a, so they equal verify_greedy bit for bit.
+
+    Terms and shapes: N requests, block size B, vocabulary V; ``drafts`` [N, B-1] int64, ``target_logits``
+    [N, B, V] in any float dtype (row i predicts block position i+1), ``temperature`` [N] (0 = greedy).
+    Returns ``(commit_lens, tokens)`` as verify_sampled. The generator is consumed as verify_sampled consumes it
+    (uniforms [N, B-1], then exponentials [N, V] float32), so with the same seed both mostly emit the same tokens;
+    they differ only where float rounding of p versus log p decides a race or a uniform. No host synchronisation
+    (the chunking depends only on shapes).
+    """
+    n, b, v = target_logits.shape
+    device = target_logits.device
+    greedy = temperature == 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
+    target_tokens = target_logits.argmax(dim=-1)  # [N, B]: the greedy rows' point masses (first index on ties)
+    rows = torch.arange(n, device=device)
+    if b == 1:  # no drafts (a plain decode step): the next token comes from row 0
+        accepted = drafts.new_zeros(n)
+    else:
+        draft_logit = target_logits[:, :-1].gather(2, drafts[:, :, None])[:, :, 0] / temp[:, None]  # [N, B-1] fp32
+        lse = torch.empty_like(draft_logit)
+        per_chunk = max(1, max(_LSE_CHUNK_ELEMENTS, n * v) // ((b - 1) * v))  # requests per float32 chunk
+        for start in range(0, n, per_chunk):
+            stop = min(n, start + per_chunk)
+            lse[start:stop] = _scaled_logsumexp(target_logits[start:stop, :-1], temp[start:stop, None, None])
+        p_draft = torch.exp(draft_logit - lse)
+        p_draft = torch.where(greedy[:, None], (drafts == target_tokens[:, :-1]).to(p_draft.dtype), p_draft)
+        u = torch.rand(p_draft.shape, generator=generator, device=device)
+        accepted = accepted_prefix_len(u < p_draft)
+    scaled = target_logits[rows, accepted] / temp[:, None]  # [N, V] float32: the first rejected (or bonus) row
+    if b > 1:
+        rejected = accepted < b - 1
+        rejected_draft = drafts.gather(1, accepted.clamp(max=b - 2)[:, None])
+        kept = scaled.gather(1, rejected_draft)
+        scaled.scatter_(1, rejected_draft, torch.where(rejected[:, None], torch.full_like(kept, -torch.inf), kept))
+    race = torch.empty_like(scaled).exponential_(1.0, generator=generator)
+    # exponential_ can return exactly 0: -log(0) = inf would make -inf + inf = NaN, which argmax picks
+    scaled.sub_(race.clamp_min_(torch.finfo(race.dtype).tiny).log_())
+    next_token = torch.where(greedy, target_tokens[rows, accepted], scaled.argmax(dim=-1))
+    return _assemble(drafts, accepted, next_token)

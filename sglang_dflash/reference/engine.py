@@ -148,6 +148,8 @@ class ReferenceEngine:
         if all(r.params.greedy for r in reqs):
             return verify_greedy(drafts, logits)
         n, b, v = logits.shape
+        # The definition path on purpose, for every batch: this engine is the reference the server is compared with,
+        # and the server's faster rule for unfiltered batches (verify_sampled_logits) is tested against this one's law
         s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device).repeat_interleave(b)
         probs = processed_probs(logits.view(n * b, v), s).view(n, b, v)
         return verify_sampled(drafts, probs, self.generator)

@@ -9,7 +9,7 @@ worker owns one model step:
              draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 greedy drafts (skipped if k = 0)
              verify  one target pass over [bonus, d_1..d_k], hidden capture  -> logits [bs, k+1, V]
              process penalties, min_new_tokens, grammar, logit_bias per row   (controls.py; exact per position)
-             accept  acceptance.verify_greedy / verify_sampled                -> commit_lens, tokens
+             accept  acceptance.verify_greedy / verify_sampled(_logits)       -> commit_lens, tokens
              commit  publish new lengths; write context K/V of the k+1 verified rows (rows past commit_len are
                      rewritten by the next step's block, which starts at the new length)
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import torch
 
-from ..acceptance import verify_greedy, verify_sampled
+from ..acceptance import verify_greedy, verify_sampled, verify_sampled_logits
 from ..config import DFlashConfig
 from ..sampling import SamplingTensors, processed_probs
 from . import compat
@@ -312,7 +312,11 @@ class DFlashWorker(BaseSpecWorker):
                             top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
         # SGLang's host-side flags say whether any row filters (greedy rows, top_k = 1, count as filtering)
         filtered = bool(info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling)
-        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B), filtered).view(bs, B, V)
+        if not filtered:
+            # Every row samples softmax(logits / T) (no greedy rows either: those are top_k = 1): the same rule on
+            # the logits, without the [bs x B, V] float32 probabilities (tests/test_acceptance_logits.py: same law).
+            return verify_sampled_logits(drafts, logits, s.temperature)
+        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B)).view(bs, B, V)
         return verify_sampled(drafts, probs)
 
 

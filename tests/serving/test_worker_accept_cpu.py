@@ -6,7 +6,9 @@ distribution sglang_dflash.sampling defines for the same requests: greedy rows a
 rows softmax(logits / T) filtered by top-k, top-p, min-p. _accept reads only batch.sampling_info, so it is called
 unbound on a SimpleNamespace batch built the way SamplingBatchInfo.from_schedule_batch (SGLang 0.5.17) builds one,
 and the probabilities it hands to verify_sampled are compared with processed_probs of our own SamplingParams.
-The mutation tests plant the two easy mistakes (ignoring the flags, ignoring temperature) and check this fails.
+Batches where no row filters go to verify_sampled_logits (same law, tests/test_acceptance_logits.py); there the
+distribution it samples, softmax(logits / temperature), is the one compared.
+The mutation tests plant the easy mistakes (ignoring the flags, ignoring temperature) and check this fails.
 """
 
 from __future__ import annotations
@@ -56,15 +58,28 @@ def inputs(n: int, seed: int = 0):
     return drafts, logits
 
 
-def run_accept(rows, drafts, logits, monkeypatch):
-    """DFlashWorker._accept on a fake batch; returns (commit_lens, tokens, probs handed to verify_sampled or None)."""
+def run_accept(rows, drafts, logits, monkeypatch, bug=None):
+    """DFlashWorker._accept on a fake batch; returns (commit_lens, tokens, probs handed to verify_sampled, or those
+    verify_sampled_logits samples from, or None). bug: (old, new) source planted into _accept after the spies."""
     seen = {}
 
     def spy(d, probs, generator=None):
         seen["probs"] = probs.clone()
         return acceptance.verify_sampled(d, probs, generator)
 
+    def logits_spy(d, lg, temperature, generator=None):
+        n, b, v = lg.shape  # the logits rule samples softmax(logits / T), a point mass where T == 0
+        s = SamplingTensors(temperature.float(), torch.full_like(temperature, v, dtype=torch.int64),
+                            torch.ones_like(temperature), torch.zeros_like(temperature))
+        seen["probs"] = processed_probs(lg.reshape(n * b, v), s.repeat_interleave(b)).view(n, b, v)
+        return acceptance.verify_sampled_logits(d, lg, temperature, generator)
+
     monkeypatch.setattr(worker, "verify_sampled", spy)
+    monkeypatch.setattr(worker, "verify_sampled_logits", logits_spy)
+    if bug is not None:  # after the spies: plant compiles the mutant with a copy of the module's globals
+        from test_mutations_algorithm import plant
+
+        plant(monkeypatch, worker.DFlashWorker, "_accept", *bug)
     commit, tokens = worker.DFlashWorker._accept(None, SimpleNamespace(sampling_info=sampling_info(rows)), drafts,
                                                  logits)
     return commit, tokens, seen.get("probs")
@@ -80,9 +95,9 @@ CASES = {
 }
 
 
-def check_mapping(rows, monkeypatch):
+def check_mapping(rows, monkeypatch, bug=None):
     drafts, logits = inputs(len(rows))
-    commit, tokens, probs = run_accept(rows, drafts, logits, monkeypatch)
+    commit, tokens, probs = run_accept(rows, drafts, logits, monkeypatch, bug)
     greedy_rows = torch.tensor([r["temperature"] == 0 for r in rows])
     g_commit, g_tokens = acceptance.verify_greedy(drafts, logits)
     # greedy rows commit exactly what verify_greedy commits, whatever the batch holds
@@ -90,7 +105,7 @@ def check_mapping(rows, monkeypatch):
     assert torch.equal(tokens[greedy_rows], g_tokens[greedy_rows])
     if greedy_rows.all():
         return
-    assert probs is not None, "a batch with sampled rows did not go through verify_sampled"
+    assert probs is not None, "a batch with sampled rows did not go through verify_sampled(_logits)"
     want = processed_probs(logits.reshape(-1, V), ours(rows).repeat_interleave(B)).view(len(rows), B, V)
     torch.testing.assert_close(probs, want, atol=1e-6, rtol=1e-5)
 
@@ -125,4 +140,21 @@ def test_mutant_ignoring_temperature_is_caught(monkeypatch):
 
     monkeypatch.setattr(worker, "processed_probs", at_t1)
     with pytest.raises(AssertionError):
-        check_mapping(CASES["sampled, no filter"], monkeypatch)
+        check_mapping(CASES["filters"], monkeypatch)
+
+
+# planted in _accept's own source (test_mutations_algorithm.plant): the logits rule's two easy mistakes
+ACCEPT_BUGS = {
+    "logits rule ignores temperature": ("verify_sampled_logits(drafts, logits, s.temperature)",
+                                        "verify_sampled_logits(drafts, logits, torch.ones_like(s.temperature))",
+                                        "sampled, no filter"),
+    "logits rule for filtered batches too": ("if not filtered:", "if True:", "filters"),
+}
+
+
+@pytest.mark.parametrize("bug", list(ACCEPT_BUGS))
+def test_mutant_in_the_logits_branch_is_caught(bug, monkeypatch):
+    old, new, case = ACCEPT_BUGS[bug]
+    with pytest.raises(AssertionError) as caught:
+        check_mapping(CASES[case], monkeypatch, (old, new))
+    assert "did not go through" not in str(caught.value)  # caught by the comparison, not by a spy that missed
