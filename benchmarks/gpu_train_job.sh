@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Train a drafter for a staged real target on the lent GPU machine and measure its tau two ways, as ONE background
-# job that outlives the 600 s limit of a call (start it with setsid; later calls poll $OUT_DIR/DONE):
-#   1. python -m sglang_dflash.train run: the target's own responses, training to a deadline, the saved drafter,
-#      a quick tau with the reference engine on held-out prompts;
-#   2. the SGLang server (none vs ours, benchmarks.driver): tau and tok/s on the benchmark prompt sets.
-# Needs: source benchmarks/gpu_env.sh; bash benchmarks/gpu_stage.sh TARGET (-> /tmp/TARGET); the prompts file.
-#   setsid nohup bash benchmarks/gpu_train_job.sh gemma3 .carry/gemma3_prompts.pt /tmp/job_gemma3 > /dev/null 2>&1 &
-# Knobs (environment): LAYERS, GEN_BUDGET_S, DEADLINE_S (the train run's whole budget), TRAIN_ARGS (extra),
-# DATA (an earlier data.pt: train on it instead of generating), BENCH_CONC, BENCH_TOKENS, MEM_FRACTION
-# (the server's share of GPU memory: other jobs may share the GPU; then read its tok/s as tau-only).
+# Train a drafter for a staged real target on the lent GPU machine and measure it, as ONE background job that
+# outlives the 600 s limit of a call (start it with setsid; later calls poll $out/DONE and copy $out back):
+#   1. data:   python -m sglang_dflash.train generate: the target's own responses from an SGLang server, every
+#              prompt answered twice (greedy, and T = 1 with a per-request seed), token ids only;
+#   2. train:  python -m sglang_dflash.train run --data: training to a deadline (resumable from $out/train/state);
+#   3. tau:    python -m sglang_dflash.train eval: the reference engine in float32 on the held-out sets, greedy
+#              output checked against target-only decoding; one JSON per (set, T) under $out/drafters/;
+#   4. server: benchmarks.driver, none vs ours, real prompts, c = $BENCH_CONC, greedy outputs cross-checked.
+# Needs: source benchmarks/gpu_env.sh; bash benchmarks/gpu_stage.sh TARGET (-> /tmp/TARGET); the prompts file
+# (python -m sglang_dflash.train prepare). Start:
+#   setsid nohup bash benchmarks/gpu_train_job.sh smollm2 .carry/prompts.pt /tmp/job_smollm2 > /dev/null 2>&1 &
+# Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
+# fraction, 0.6), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
+# earlier data.pt: skip generation), N_EVAL (32), EVAL_NEW (128), BENCH_CONC (1,8), BENCH_TOKENS (192),
+# SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
+# server phase waits for, up to 10 min).
 set -u
 target=${1:?target: smollm2|gemma3}; prompts=${2:?prompts file}; out=${3:?output dir}
 mkdir -p "$out"
@@ -16,18 +22,43 @@ mkdir -p "$out"
 snap=/tmp/snap_$(basename "$out"); rm -rf "$snap"; mkdir -p "$snap"
 tar -C . --exclude=./.devstack --exclude=./.stage -cf - . | tar -C "$snap" -xf - && cd "$snap" || exit 1
 export PYTHONPATH="$snap:${PYTHONPATH:-}"
-echo "$(date -u +%FT%TZ) start $target on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" > "$out/job.log"
-python3 -m sglang_dflash.train run --target "$target" --hf-dir "/tmp/$target" --prompts "$prompts" \
-  --out "$out/train" --layers "${LAYERS:-3}" --gen-budget-s "${GEN_BUDGET_S:-150}" --deadline-s "${DEADLINE_S:-600}" \
-  --reserve-s 150 --n-eval-run 8 --eval-new-tokens 128 --no-greedy-check --keep-data --no-state --fresh --quiet \
-  ${DATA:+--data "$DATA"} ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
-echo "$(date -u +%FT%TZ) train exit $?" >> "$out/job.log"
-if [ -f "$out/train/drafter/config.json" ]; then
-  python3 -m benchmarks.driver --target "/tmp/$target" --draft "$out/train/drafter" --methods none,ours \
+log() { echo "$(date -u +%FT%TZ) $*" >> "$out/job.log"; }
+skip() { case ",${SKIP:-}," in *",$1,"*) return 0 ;; esac; return 1; }
+log "start $target on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+T=(--target "$target" --hf-dir "/tmp/$target" --prompts "$prompts")
+
+data=${DATA:-$out/data.pt}
+if ! skip data && [ -z "${DATA:-}" ]; then
+  # greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
+  python3 -m sglang_dflash.train generate "${T[@]}" --out "$data" --passes greedy,sampled \
+    --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --gen-budget-s "${GEN_BUDGET_S:-200}" --quiet \
+    --server-args="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-prefill-cuda-graph --mem-fraction-static ${GEN_MEM:-0.6} --cuda-graph-max-bs-decode 512 --max-running-requests 512" \
+    > "$out/generate.log" 2>&1
+  log "generate exit $?"
+fi
+
+if ! skip train; then
+  python3 -m sglang_dflash.train run "${T[@]}" --data "$data" --out "$out/train" --layers "${LAYERS:-2}" \
+    --steps 1000000 --batch-size "${BATCH:-16}" --deadline-s "${TRAIN_S:-420}" --reserve-s 30 --n-eval-run 0 --quiet ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
+  log "train exit $?"
+fi
+
+drafter=$out/train/drafter
+if ! skip tau && [ -f "$drafter/config.json" ]; then
+  python3 -m sglang_dflash.train eval "${T[@]}" --drafter "$drafter" --device cuda --dtype float32 \
+    --n-eval "${N_EVAL:-32}" --eval-new-tokens "${EVAL_NEW:-128}" --eval-batch 32 --out "$out/tau.json" \
+    --results-dir "$out/drafters" > "$out/tau.log" 2>&1
+  log "tau exit $?"
+fi
+
+if ! skip server && [ -f "$drafter/config.json" ]; then
+  # a speed measurement needs the GPU to itself: wait (bounded) for another job sharing the machine to finish
+  for _ in $(seq 1 120); do [ -z "${WAIT_FOR:-}" ] || [ -f "$WAIT_FOR" ] && break; sleep 5; done
+  python3 -m benchmarks.driver --target "/tmp/$target" --draft "$drafter" --methods none,ours \
     --common-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
-      --mem-fraction-static ${MEM_FRACTION:-0.3} --cuda-graph-max-bs-decode 32 --max-running-requests 32" \
-    --out "$out/server" -- --datasets humaneval,mtbench,gsm --temperatures 0,1 --concurrency "${BENCH_CONC:-8}" \
-    --max-new-tokens "${BENCH_TOKENS:-128}" --rounds 1 --min-convs 16 > "$out/server.log" 2>&1
-  echo "$(date -u +%FT%TZ) server bench exit $?" >> "$out/job.log"
+      --mem-fraction-static 0.5 --cuda-graph-max-bs-decode 32 --max-running-requests 32" \
+    --out "$out/server" -- --datasets humaneval,mtbench,gsm --temperatures 0 --concurrency "${BENCH_CONC:-1,8}" \
+    --max-new-tokens "${BENCH_TOKENS:-192}" --rounds 2 --min-convs 16 > "$out/server.log" 2>&1
+  log "server bench exit $?"
 fi
 touch "$out/DONE"

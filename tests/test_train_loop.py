@@ -9,7 +9,7 @@ import torch
 from sglang_dflash.checkpoint import load_drafter, save_drafter
 from sglang_dflash.config import DFlashConfig
 from sglang_dflash.drafter import DFlashDrafter
-from sglang_dflash.tiny import tiny_drafter_config, tiny_target
+from sglang_dflash.targets.tiny import tiny_drafter_config, tiny_target
 from sglang_dflash.train.blocks import IGNORE
 from sglang_dflash.train.data import TokenStore
 from sglang_dflash.train.generate import generate_responses
@@ -146,3 +146,22 @@ def test_teacher_forced_tau_matches_the_engine_on_a_trained_drafter(target, stor
     # same commits except for float noise and the last step (the replay stops at the known continuation's end)
     assert abs(engine["tau"] - replay["tau"]) < 0.15 * engine["tau"], (engine["per_prompt_tau"],
                                                                         replay["per_prompt_tau"])
+
+
+def test_drafter_results_one_json_per_set_and_temperature(tmp_path):
+    """benchmarks/results/drafters/: the keys the issue names, the T=0 greedy check carried to the T=1 file of the
+    same set, and the teacher-forced cross-check not mistaken for a tau measurement."""
+    import json
+
+    from sglang_dflash.train.evaluate import write_drafter_results
+
+    m = lambda tau, **kw: {"prompts": 32, "tau": tau, "verify_steps": 100, "max_new_tokens": 128, **kw}  # noqa: E731
+    report = {"gsm": {"T=0 replay": m(9.0), "T=0": m(2.5, greedy_equal=True), "T=1": m(1.4)},
+              "mtbench": {"T=0": m(1.5, greedy_equal=False)}}
+    paths = write_drafter_results(report, {"target": "smollm2", "drafter": "D", "device": "cpu"}, tmp_path)
+    rows = {p.name: json.loads(p.read_text()) for p in paths}
+    assert sorted(rows) == ["smollm2-gsm-T0.json", "smollm2-gsm-T1.json", "smollm2-mtbench-T0.json"]
+    for row in rows.values():
+        assert {"target", "set", "temperature", "prompts", "tau", "greedy_equal"} <= set(row)
+    assert rows["smollm2-gsm-T1.json"]["greedy_equal"] is True and rows["smollm2-gsm-T1.json"]["tau"] == 1.4
+    assert rows["smollm2-gsm-T0.json"]["tau"] == 2.5 and rows["smollm2-mtbench-T0.json"]["greedy_equal"] is False

@@ -111,3 +111,31 @@ def greedy_tau_teacher_forced(target_model, drafter, prompts: list[list[int]], m
     return {"prompts": len(store), "max_new_tokens": max_new_tokens, "tau": sum(all_commits) / max(1, len(all_commits)),
             "verify_steps": len(all_commits), "per_prompt_tau": [round(v, 3) for v in per_prompt],
             "method": "teacher-forced replay of greedy verification (greedy_tau_teacher_forced)"}
+
+
+def write_drafter_results(report: dict, meta: dict, out_dir) -> list:
+    """One JSON per (set, temperature) of an `evaluate_sets` report, named `{target}-{set}-T{t}.json`, for
+    benchmarks/results/drafters/ (compare drafters at a glance). Keys: target, set, temperature, prompts, tau,
+    greedy_equal (the greedy output equal to target-only decoding's on this set: the T=0 run's check, repeated on
+    the T=1 file since a sampled run has no plain output to compare with; null when it was not checked), plus the
+    drafter, device, dtype, max_new_tokens, verify_steps and the command from `meta`."""
+    import json
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for set_name, runs in report.items():
+        greedy_equal = runs.get("T=0", {}).get("greedy_equal")
+        for key, m in runs.items():
+            if not key.startswith("T=") or " " in key:  # "T=0 replay" is a cross-check, not a tau measurement
+                continue
+            t = float(key[2:])
+            row = {"target": meta.get("target"), "set": set_name, "temperature": t, "prompts": m["prompts"],
+                   "tau": round(m["tau"], 4), "greedy_equal": greedy_equal, "verify_steps": m["verify_steps"],
+                   "max_new_tokens": m["max_new_tokens"]}
+            row.update({k: meta[k] for k in ("drafter", "device", "dtype", "date", "command") if k in meta})
+            path = out_dir / f"{meta.get('target')}-{set_name}-T{t:g}.json"
+            path.write_text(json.dumps(row, indent=1) + "\n")
+            written.append(path)
+    return written

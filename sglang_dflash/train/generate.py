@@ -1,4 +1,6 @@
-"""Training data = the target's own responses, generated in batches (left-padded transformers `generate`).
+"""Training data = the target's own responses: from a running SGLang server (`generate_with_server`, the way to
+generate training data: the server's own kernels and sampler, continuous batching), or in batches with
+transformers' left-padded `generate` (`generate_responses`: CPU runs and the tiny test pipeline).
 
 Each response runs until the stop token (kept, so the drafter learns to predict it) or max_new_tokens. Greedy by
 default; a fraction of the prompts can be answered by sampling (temperature 1), so the drafter also sees contexts
@@ -7,7 +9,10 @@ off the greedy path, as it will when serving sampled requests.
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -61,5 +66,220 @@ def generate_responses(model, prompts: list[list[int]], max_new_tokens: int, sto
     seqs = [list(prompts[i]) + responses[i] for i in done]
     vocab = model.get_output_embeddings().weight.shape[0]
     meta = {"max_new_tokens": max_new_tokens, "sample_fraction": sample_fraction, "response_tokens": n_tok,
-            "generate_s": round(time.time() - t0, 1), "skipped_prompts": len(prompts) - len(done)}
+            "generate_s": round(time.time() - t0, 1), "skipped_prompts": len(prompts) - len(done),
+            "generator": "transformers"}
     return TokenStore.from_lists(seqs, [len(prompts[i]) for i in done], [sources[i] for i in done], vocab, meta)
+
+
+# ------------------------------------------------------------------------------------------- through SGLang
+# Training data must be the target's own tokens as the SERVER produces them (its kernels, its dtype, its sampler):
+# that is the distribution the drafter meets when it serves. The server also generates far faster than transformers'
+# padded `generate` (continuous batching, no padding, CUDA graphs).
+
+def sampled_prompt_mask(n: int, sample_fraction: float, seed: int) -> list[bool]:
+    """Which of n prompts are answered by sampling at T=1: exactly round(n * fraction) of them, chosen by `seed`."""
+    import random
+
+    k = int(round(n * min(max(sample_fraction, 0.0), 1.0)))
+    picked = set(random.Random(seed).sample(range(n), k))
+    return [i in picked for i in range(n)]
+
+
+def sampling_seed_of(seed: int, index: int) -> int:
+    """The per-request sampling_seed of prompt `index` (distinct per prompt, independent of request order)."""
+    return seed * 1_000_003 + index
+
+
+def server_request(prompt: list[int], max_new_tokens: int, stop_token_ids: list[int], sample: bool,
+                   sampling_seed: int | None = None) -> dict:
+    """The body of SGLang's native POST /generate for one prompt (field names of SGLang 0.5.17's GenerateReqInput
+    and SamplingParams). Greedy is temperature 0 (SGLang turns it into top_k = 1); sampling is plain T=1 over the
+    whole vocabulary (top_k -1, top_p 1, min_p 0), the distribution the drafter must learn. no_stop_trim keeps the
+    stop token in the text; output_ids keep it regardless, and the drafter must learn to predict it."""
+    sp = {"max_new_tokens": int(max_new_tokens), "temperature": 1.0 if sample else 0.0, "top_k": -1, "top_p": 1.0,
+          "min_p": 0.0, "stop_token_ids": [int(t) for t in stop_token_ids], "skip_special_tokens": False,
+          "no_stop_trim": True, "ignore_eos": False}
+    if sample and sampling_seed is not None:
+        # honoured only by a server started with --enable-deterministic-inference (SGLang 0.5.17 ignores it
+        # otherwise: the sample is then valid but not reproducible)
+        sp["sampling_seed"] = int(sampling_seed)
+    return {"input_ids": [int(t) for t in prompt], "sampling_params": sp, "stream": False}
+
+
+try:  # orjson (in the serve extra) parses the 30k responses several times faster than json
+    import orjson as _orjson
+
+    def _dumps(obj) -> bytes:
+        return _orjson.dumps(obj)
+
+    _loads = _orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+    import json as _json
+
+    def _dumps(obj) -> bytes:
+        return _json.dumps(obj).encode()
+
+    _loads = _json.loads
+
+
+def post_generate(url: str, body: dict, timeout_s: float) -> dict:
+    """POST {url}/generate and return the parsed answer; raises RuntimeError with the server's message on an HTTP
+    error and socket.timeout / URLError when the server does not answer in time."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url.rstrip("/") + "/generate", _dumps(body), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return _loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"/generate answered HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+
+
+def _response_ids(answer: dict, prompt_len: int, max_new_tokens: int, vocab_size: int) -> list[int]:
+    """The generated token ids of one /generate answer, checked: the server must report the prompt length we sent
+    (so prompt and response are not offset) and no more than max_new_tokens ids, all inside the vocabulary."""
+    if "output_ids" not in answer:
+        raise RuntimeError(f"/generate answer without output_ids: {str(answer)[:300]}")
+    ids = [int(t) for t in answer["output_ids"]]
+    meta = answer.get("meta_info") or {}
+    if meta.get("prompt_tokens", prompt_len) != prompt_len:
+        raise RuntimeError(f"the server counted {meta['prompt_tokens']} prompt tokens, we sent {prompt_len}")
+    if meta.get("completion_tokens", len(ids)) != len(ids) or len(ids) > max_new_tokens:
+        raise RuntimeError(f"{len(ids)} output ids (completion_tokens {meta.get('completion_tokens')}, "
+                           f"max_new_tokens {max_new_tokens})")
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise RuntimeError(f"output id outside the vocabulary of {vocab_size}: {ids}")
+    return ids
+
+
+def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: list[int],
+                         vocab_size: int, sample_fraction: float = 0.0, seed: int = 0,
+                         sources: list[str] | None = None, concurrency: int = 256, progress: bool = True,
+                         time_budget_s: float | None = None, request_timeout_s: float = 3600.0,
+                         sample: list[bool] | None = None) -> TokenStore:
+    """The target's own responses from a running SGLang server (native /generate, token ids in and out), as a
+    TokenStore of prompt + response per prompt in the order of `prompts` (the same layout and meta keys as
+    `generate_responses`, plus generator="sglang").
+
+    Each response runs until a stop token (kept) or max_new_tokens. round(n * sample_fraction) prompts, chosen by
+    `seed`, are answered by sampling at T=1 with a per-request sampling_seed; the rest greedily (`sample`, one flag
+    per prompt, overrides that choice: e.g. every prompt twice, greedy and sampled). `concurrency`
+    requests are in flight at once (threads; the server batches them). With `time_budget_s`, no request starts after
+    the budget and requests still running then are abandoned (the server aborts them when the connection closes):
+    their prompts are left out (meta skipped_prompts). A request that fails is left out too (meta failed_prompts,
+    first_error); if every request fails the server's error is raised."""
+    import concurrent.futures as cf
+    import socket
+    import threading
+    import urllib.error
+
+    n = len(prompts)
+    if sample is not None:  # the fraction actually sampled, for the meta
+        sample_fraction = round(sum(sample) / max(n, 1), 4)
+    if sample is None:
+        sample = sampled_prompt_mask(n, sample_fraction, seed)
+    elif len(sample) != n:
+        raise ValueError(f"sample has {len(sample)} flags for {n} prompts")
+    t0 = time.time()
+    deadline = None if time_budget_s is None else t0 + time_budget_s
+    stop = threading.Event()
+
+    def one(i: int):
+        if stop.is_set() or (deadline is not None and time.time() >= deadline):
+            return i, None, None
+        timeout = request_timeout_s if deadline is None else max(1.0, min(request_timeout_s, deadline - time.time()))
+        body = server_request(prompts[i], max_new_tokens, stop_token_ids, sample[i], sampling_seed_of(seed, i))
+        try:
+            return i, _response_ids(post_generate(url, body, timeout), len(prompts[i]), max_new_tokens,
+                                    vocab_size), None
+        except (socket.timeout, TimeoutError, RuntimeError, urllib.error.URLError, OSError, ValueError) as e:
+            if deadline is not None and time.time() >= deadline - 1.0:
+                return i, None, None  # cut by the budget: skipped, not failed
+            return i, None, f"{type(e).__name__} (timeout {timeout:.0f} s): {e}"
+
+    responses: dict[int, list[int]] = {}
+    errors: list[str] = []
+    n_tok = 0
+    bar = tqdm(total=n, disable=not progress, desc="generate (sglang)")
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, int(concurrency)), thread_name_prefix="sglang-gen")
+    try:
+        futures = [pool.submit(one, i) for i in range(n)]
+        # the last in-flight requests end by their own timeout at the deadline; wait a little beyond it
+        wait_s = None if deadline is None else max(0.0, deadline - time.time()) + 30.0
+        try:
+            for fut in cf.as_completed(futures, timeout=wait_s):
+                i, ids, err = fut.result()
+                if ids is not None:
+                    responses[i] = ids
+                    n_tok += len(ids)
+                elif err is not None:
+                    errors.append(f"prompt {i}: {err}")
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{n_tok / max(time.time() - t0, 1e-6):.0f}", failed=len(errors),
+                                refresh=False)
+        except cf.TimeoutError:
+            pass  # past the budget: what has not finished is left out
+    finally:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+    if errors and not responses:
+        raise RuntimeError(f"every /generate request to {url} failed; first error: {errors[0]}")
+    done = sorted(responses)
+    sources = sources or [""] * n
+    seqs = [list(prompts[i]) + responses[i] for i in done]
+    meta = {"max_new_tokens": max_new_tokens, "sample_fraction": sample_fraction, "response_tokens": n_tok,
+            "generate_s": round(time.time() - t0, 1), "skipped_prompts": n - len(done) - len(errors),
+            "generator": "sglang", "failed_prompts": len(errors), "sampled_prompts": sum(sample[i] for i in done),
+            "server_url": url}
+    if errors:
+        meta["first_error"] = errors[0]
+    return TokenStore.from_lists(seqs, [len(prompts[i]) for i in done], [sources[i] for i in done], vocab_size,
+                                 meta)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_generation_server(model_dir: str | Path, log_dir: str | Path, device: str | None = None,
+                             extra_args: list[str] = (), port: int | None = None):
+    """Start a plain SGLang server (no speculation) on `model_dir` for generating training data; returns the
+    testing.Server at once (call .wait_healthy, and .stop when done). Token ids in, token ids out: the server
+    runs with --skip-tokenizer-init (no detokenizing, and a checkpoint without a tokenizer works). On a CPU-only
+    machine it gets the stub libcuda and the CPU arguments of the CPU tests, in float32 like the CPU trainer."""
+    import torch
+
+    from ..testing import CPU_SERVER_ARGS, build_stub_libcuda, cpu_server_env, launch_server
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args = ["--skip-tokenizer-init", *extra_args]
+    if device == "cpu":
+        env = cpu_server_env(build_stub_libcuda(log_dir / "stub"))
+        args = [*CPU_SERVER_ARGS, "--dtype", "float32", *args]
+    else:
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint directory: never reach for the hub
+        if not any(a.startswith("--mem-fraction-static") for a in extra_args):
+            args = ["--mem-fraction-static", "0.7", *args]  # room for the trainer's own copy of the target
+    return launch_server(model_dir, port or free_port(), log_dir / "generation_server.log", args, env)
+
+
+@contextmanager
+def generation_server(model_dir: str | Path, log_dir: str | Path, device: str | None = None,
+                      extra_args: list[str] = (), startup_s: float = 900.0):
+    """A healthy generation server for the duration of a `with` block (its URL), stopped afterwards (also on
+    errors): its process group is killed by PID."""
+    server = launch_generation_server(model_dir, log_dir, device, extra_args)
+    try:
+        server.wait_healthy(startup_s)
+        yield server.url
+    finally:
+        server.stop()

