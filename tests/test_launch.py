@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_dflash.serving.plugin import WORKER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SCRIPTS = sorted(p for p in LAUNCH.glob("*.sh") if p.name != "common.sh")
@@ -38,7 +40,7 @@ def test_dry_run_methods(script):
     r = dry(script, "--method", "ours", "--port", "31000", "--", "--log-level", "debug")
     assert r.returncode == 0, r.stderr
     toks = shlex.split(r.stdout)
-    assert toks[1:3] == ["-u", "SGLANG_DFLASH_WORKER"]
+    assert toks[1:3] == ["-u", WORKER_ENV]
     assert toks[toks.index("--speculative-algorithm") + 1] == "DFLASH"
     assert toks[toks.index("--speculative-num-draft-tokens") + 1] == "16"
     assert toks[toks.index("--port") + 1] == "31000" and toks[-2:] == ["--log-level", "debug"]
@@ -46,7 +48,13 @@ def test_dry_run_methods(script):
     if script.stem == "gemma-3-270m":  # SGLang's Gemma3 model has no DFLASH capture hook
         assert r.returncode == 2 and "cannot serve" in r.stderr
     else:
-        assert r.returncode == 0 and shlex.split(r.stdout)[1] == "SGLANG_DFLASH_WORKER=builtin"
+        assert r.returncode == 0 and shlex.split(r.stdout)[1] == f"{WORKER_ENV}=builtin"
+
+
+def test_switch_default_is_the_plugins():
+    """common.sh is shell and cannot import the plugin's WORKER_ENV: its default must spell the same name."""
+    text = (LAUNCH / "common.sh").read_text()
+    assert text.count("${DFLASH_WORKER_ENV:-") == text.count(f"${{DFLASH_WORKER_ENV:-{WORKER_ENV}=builtin}}") >= 1
 
 
 def test_switch_name_is_a_parameter():
@@ -97,6 +105,8 @@ def test_defaults_are_paths_the_package_creates():
     toks = shlex.split(subprocess.run(["bash", str(LAUNCH / "gemma-3-270m.sh"), "--dry-run"], capture_output=True,
                                       text=True, env=env).stdout)
     assert toks[toks.index("--model-path") + 1] == str(home_cache / "gemma-3-270m")
+    draft = Path(toks[toks.index("--speculative-draft-model-path") + 1])
+    assert (draft / "config.json").is_file() and draft.name == "gemma-3-270m-DFlash-b16"
 
 
 def test_cpu_flag_hands_over_to_serve():

