@@ -6,7 +6,6 @@ import asyncio
 import gzip
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench, client, prompts, report, stats  # noqa: E402
+from sglang_dflash.testing import free_port  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ stats
@@ -110,12 +110,6 @@ def test_prepare_from_packages(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ fake server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_health(url: str, timeout: float = 20.0):
     import urllib.request
 

@@ -33,8 +33,12 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
     return fast
 
 
-def _fix_config_for_sglang(path: Path, dtype: str) -> None:
-    """transformers 5 writes only rope_parameters; SGLang 0.5.17 reads rope_theta (falls back to 10000)."""
+def save_for_sglang(model, out_dir: str | Path) -> Path:
+    """A transformers model as a checkpoint directory SGLang 0.5.17 loads as written: transformers 5 writes only
+    rope_parameters, while SGLang reads rope_theta (falling back to 10000), and the dtype is written explicitly."""
+    path = Path(out_dir)
+    model.save_pretrained(str(path))
+    dtype = str(model.dtype).removeprefix("torch.")
     cfg_file = path / "config.json"
     cfg = json.loads(cfg_file.read_text())
     rope = cfg.get("rope_parameters") or {}
@@ -42,6 +46,7 @@ def _fix_config_for_sglang(path: Path, dtype: str) -> None:
         cfg["rope_theta"] = rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0
     cfg["torch_dtype"] = cfg["dtype"] = dtype
     cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+    return path
 
 
 def save_tiny_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: int = 64, num_layers: int = 4,
@@ -66,8 +71,7 @@ def save_tiny_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: int 
             model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
         model.config.tie_word_embeddings = True
         model.tie_weights()
-    model.save_pretrained(str(out))
-    _fix_config_for_sglang(out, dtype)
+    save_for_sglang(model, out)
     return model
 
 

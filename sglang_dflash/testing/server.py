@@ -18,7 +18,16 @@ from pathlib import Path
 
 from ..serving.plugin import WORKER_ENV
 
-__all__ = ["WORKER_ENV", "Server", "launch_server", "server_argv", "worker_env"]
+__all__ = ["WORKER_ENV", "Server", "free_port", "launch_server", "server_argv", "worker_env"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def server_argv(model_path: str | Path, port: int, host: str = "127.0.0.1", args: list[str] = (),

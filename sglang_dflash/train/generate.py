@@ -106,32 +106,19 @@ def server_request(prompt: list[int], max_new_tokens: int, stop_token_ids: list[
     return {"input_ids": [int(t) for t in prompt], "sampling_params": sp, "stream": False}
 
 
-try:  # orjson (in the serve extra) parses the 30k responses several times faster than json
-    import orjson as _orjson
-
-    def _dumps(obj) -> bytes:
-        return _orjson.dumps(obj)
-
-    _loads = _orjson.loads
-except ImportError:  # pragma: no cover - depends on the environment
-    import json as _json
-
-    def _dumps(obj) -> bytes:
-        return _json.dumps(obj).encode()
-
-    _loads = _json.loads
-
-
 def post_generate(url: str, body: dict, timeout_s: float) -> dict:
     """POST {url}/generate and return the parsed answer; raises RuntimeError with the server's message on an HTTP
     error and socket.timeout / URLError when the server does not answer in time."""
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(url.rstrip("/") + "/generate", _dumps(body), {"Content-Type": "application/json"})
+    import orjson  # the serve extra, installed wherever an SGLang server runs (as for benchmarks/client.py)
+
+    req = urllib.request.Request(url.rstrip("/") + "/generate", orjson.dumps(body),
+                                 {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return _loads(r.read())
+            return orjson.loads(r.read())
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"/generate answered HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
 
@@ -175,12 +162,12 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
     import urllib.error
 
     n = len(prompts)
-    if sample is not None:  # the fraction actually sampled, for the meta
-        sample_fraction = round(sum(sample) / max(n, 1), 4)
     if sample is None:
         sample = sampled_prompt_mask(n, sample_fraction, seed)
     elif len(sample) != n:
         raise ValueError(f"sample has {len(sample)} flags for {n} prompts")
+    else:  # the fraction actually sampled, for the meta
+        sample_fraction = round(sum(sample) / max(n, 1), 4)
     t0 = time.time()
     deadline = None if time_budget_s is None else t0 + time_budget_s
     stop = threading.Event()
@@ -239,14 +226,6 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
                                  meta)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_generation_server(model_dir: str | Path, log_dir: str | Path, device: str | None = None,
                              extra_args: list[str] = (), port: int | None = None):
     """Start a plain SGLang server (no speculation) on `model_dir` for generating training data; returns the
@@ -255,7 +234,7 @@ def launch_generation_server(model_dir: str | Path, log_dir: str | Path, device:
     machine it gets the stub libcuda and the CPU arguments of the CPU tests, in float32 like the CPU trainer."""
     import torch
 
-    from ..testing import CPU_SERVER_ARGS, build_stub_libcuda, cpu_server_env, launch_server
+    from ..testing import CPU_SERVER_ARGS, build_stub_libcuda, cpu_server_env, free_port, launch_server
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     log_dir = Path(log_dir)

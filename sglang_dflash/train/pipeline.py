@@ -139,14 +139,11 @@ def serving_dir(args, model, work_dir: Path) -> Path:
     """The checkpoint directory the generation server loads: the real target's converted directory (--hf-dir, or
     converted from its GGUF into the cache once), or the in-memory tiny target written under work_dir."""
     if args.target == "tiny":
-        from ..testing.checkpoints import _fix_config_for_sglang
+        from ..testing import save_for_sglang
 
         if model is None:
             model = load_target("tiny", torch.float32, "cpu")[0]
-        d = work_dir / "tiny_target_hf"
-        model.save_pretrained(str(d))
-        _fix_config_for_sglang(d, str(model.dtype).removeprefix("torch."))
-        return d
+        return save_for_sglang(model, work_dir / "tiny_target_hf")
     module = real_target(args.target)
     if args.gguf:
         os.environ[module.GGUF.env_var] = args.gguf
