@@ -1,7 +1,7 @@
 """Where does a decode step's time go? A torch-profiler trace of a loaded server, summarised per method.
 
     python -m benchmarks.profile_step --target T --draft D [--dummy] --methods ours,builtin,none \
-        --concurrency 32 --steps 40 --out DIR
+        --concurrency 1,32 --steps 40 --out DIR
 
 For each method the server (same arguments as ``benchmarks.driver``) is driven by ``--concurrency`` closed-loop
 greedy requests that stay in decode; once they run, SGLang's ``/start_profile`` records ``--steps`` forward steps
@@ -203,23 +203,12 @@ def _wait_for_trace(tdir: Path, timeout_s: float) -> Path | None:
     return None
 
 
-def profile_method(args, dargs, method: str, out: Path) -> dict:
-    argv, env = driver.server_argv(dargs, method), driver.server_env(dargs, method)
-    tdir = out / "traces" / method
-    tdir.mkdir(parents=True, exist_ok=True)
-    env["SGLANG_TORCH_PROFILER_DIR"] = str(tdir)
-    srv = Server(argv, out / f"profile_{method}.server.log", dargs.port, dargs.host, env)
-    load = None
+def _profile_level(args, srv, method: str, c: int, tdir: Path) -> dict:
+    """One profiled window under a steady load of ``c`` requests; the load is aborted afterwards so the next level
+    starts from an empty batch."""
+    load = Load(srv.url, c, args.prompt_len, args.max_new_tokens, args.vocab)
+    load.start()
     try:
-        srv.start()
-        try:
-            print(f"[profile] {method}: healthy after {srv.wait_healthy(args.wait_s, poll_s=2.0):.0f} s", flush=True)
-        except (RuntimeError, TimeoutError) as e:  # the message ends with the server's log tail
-            why = str(e).splitlines()[0]
-            print(f"[profile] {method}: {why}", flush=True)
-            return {"skipped": why, "log_tail": srv.log_tail()}
-        load = Load(srv.url, args.concurrency, args.prompt_len, args.max_new_tokens, args.vocab)
-        load.start()
         time.sleep(args.warmup_s)
         _post(srv.url + "/start_profile", {"output_dir": str(tdir), "num_steps": args.steps,
                                            "activities": ["CPU", "GPU"], "with_stack": False,
@@ -227,24 +216,52 @@ def profile_method(args, dargs, method: str, out: Path) -> dict:
         trace = _wait_for_trace(tdir, 180)
         if trace is None:
             return {"error": "no trace written within 180 s", "log_tail": srv.log_tail()}
-        print(f"[profile] {method}: trace {trace.name} ({trace.stat().st_size / 1e6:.1f} MB)", flush=True)
-        for attempt in range(3):
+        print(f"[profile] {method} c={c}: trace {trace.name} ({trace.stat().st_size / 1e6:.1f} MB)", flush=True)
+        err = "?"
+        for _ in range(3):
             try:
-                return summarise_trace(trace, args.steps)
+                return {"concurrency": c, **summarise_trace(trace, args.steps)}
             except (EOFError, OSError, ValueError) as e:  # still being written
                 err = f"{type(e).__name__}: {e}"
                 time.sleep(5)
         return {"error": f"unreadable trace: {err}"}
     finally:
-        if load is not None:
-            load.close()
+        load.close()
+        try:
+            _post(srv.url + "/abort_request", {"abort_all": True}, timeout=30)
+        except Exception:  # an older server without abort_all: the leftovers finish on their own
+            pass
+        time.sleep(2)
+
+
+def profile_method(args, dargs, method: str, out: Path) -> dict:
+    """{"<method> c=<c>": summary} for every level of ``--concurrency``, all on one server start."""
+    argv, env = driver.server_argv(dargs, method), driver.server_env(dargs, method)
+    levels = [int(c) for c in str(args.concurrency).split(",")]
+    env["SGLANG_TORCH_PROFILER_DIR"] = str(out / "traces" / method)
+    srv = Server(argv, out / f"profile_{method}.server.log", dargs.port, dargs.host, env)
+    try:
+        srv.start()
+        try:
+            print(f"[profile] {method}: healthy after {srv.wait_healthy(args.wait_s, poll_s=2.0):.0f} s", flush=True)
+        except (RuntimeError, TimeoutError) as e:  # the message ends with the server's log tail
+            why = str(e).splitlines()[0]
+            print(f"[profile] {method}: {why}", flush=True)
+            return {f"{method} c={c}": {"skipped": why, "log_tail": srv.log_tail()} for c in levels}
+        results = {}
+        for c in levels:
+            tdir = out / "traces" / method / f"c{c}"
+            tdir.mkdir(parents=True, exist_ok=True)
+            results[f"{method} c={c}"] = _profile_level(args, srv, method, c, tdir)
+        return results
+    finally:
         srv.stop(dargs.stop_wait_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="ours,builtin")
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", default="32", help="comma-separated levels, each profiled on the same server")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup-s", type=float, default=12.0)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -262,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for method in args.methods.split(","):
-        results[method] = profile_method(args, dargs, method, out)
+        results.update(profile_method(args, dargs, method, out))
         (out / "profile_summary.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "profile_summary.md").write_text(markdown(results))
     print(markdown(results))
