@@ -41,8 +41,8 @@ from . import bench, report
 
 DEFAULT_COMMON = ("--attention-backend triton --sampling-backend pytorch --grammar-backend none "
                   "--mem-fraction-static 0.8 --cuda-graph-max-bs-decode 128 --max-running-requests 128 --trust-remote-code")
-DEFAULT_SPEC = ("--speculative-algorithm DFLASH --speculative-num-draft-tokens 16 "
-                "--speculative-draft-attention-backend triton")
+# no --speculative-num-draft-tokens: both DFLASH workers take the block size from the drafter's config.json
+DEFAULT_SPEC = "--speculative-algorithm DFLASH --speculative-draft-attention-backend triton"
 PLUGIN_CHECK = (
     "import importlib.metadata as m, sys\n"
     "eps = [e for e in m.entry_points(group='sglang.srt.plugins') if e.value.startswith('sglang_dflash')]\n"

@@ -141,8 +141,8 @@ def main(argv=None) -> int:
         prompts = [[rng.randrange(5, args.vocab or vocab_size) for _ in range(rng.randrange(8, 64))]
                    for _ in range(args.prompts)]
     base_args = args.server_args.split()
-    spec_args = base_args + ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
-                             "--speculative-num-draft-tokens", "16"]
+    # the block size (--speculative-num-draft-tokens) comes from the drafter's config.json
+    spec_args = base_args + ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     summary = {"target": str(target), "draft": str(draft), "server_args": args.server_args,
                "tie_tol": args.tie_tol, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "methods": {}}

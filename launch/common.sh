@@ -7,7 +7,8 @@
 #   PREPARE       optional: Python code that creates the default TARGET when it is missing (run once, not on
 #                 --dry-run, not when TARGET_PATH is set)
 #   COMMON_ARGS   launch_server arguments for every method (array)
-#   SPEC_ARGS     extra arguments for the speculative methods (array)
+#   SPEC_ARGS     extra arguments for the speculative methods (array); no --speculative-num-draft-tokens: our
+#                 startup and SGLang's builtin DFLASH both take the block size from the drafter's config.json
 #   BUILTIN_OK    0 when SGLang's builtin DFLASH cannot serve this target (default 1)
 #   NOTES         lines printed with --help
 #

@@ -12,7 +12,7 @@ PREPARE="from sglang_dflash.targets import gemma3; gemma3.convert()"
 BUILTIN_OK=0
 COMMON_ARGS=(--attention-backend "${ATTN_BACKEND:-triton}" --sampling-backend pytorch --mem-fraction-static 0.5
              --cuda-graph-max-bs-decode 128 --max-running-requests 128)
-SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16
+SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-triton}")
 NOTES=("builtin refused: sglang/srt/models/gemma3_causal.py lacks set_dflash_layers_to_capture"
        "target created on first use by: python -c \"$PREPARE\"")

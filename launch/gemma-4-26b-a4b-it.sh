@@ -9,7 +9,7 @@ DRAFT=z-lab/gemma-4-26B-A4B-it-DFlash
 COMMON_ARGS=(--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.85
              --chunked-prefill-size 32768 --max-prefill-tokens 32768 --cuda-graph-max-bs-decode 128
              --max-running-requests 128 --trust-remote-code)
-SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16
+SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-fa4}")
 NOTES=("fa4 draft attention is the published recipe; not run here (the devstack has no fa4 build tested);"
        "DRAFT_ATTN_BACKEND=triton is the fallback")

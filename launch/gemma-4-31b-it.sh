@@ -7,7 +7,7 @@ DRAFT=z-lab/gemma-4-31B-it-DFlash
 COMMON_ARGS=(--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.85
              --chunked-prefill-size 32768 --max-prefill-tokens 32768 --cuda-graph-max-bs-decode 128
              --max-running-requests 128 --trust-remote-code)
-SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16
+SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-fa4}")
 NOTES=("31B bf16 weights are ~61 GB: on one 80 GB H100 lower --mem-fraction-static only with care"
        "drafter shape for --dummy is UNVERIFIED (single source)")

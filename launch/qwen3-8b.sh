@@ -8,7 +8,7 @@ TARGET=Qwen/Qwen3-8B
 DRAFT=z-lab/Qwen3-8B-DFlash-b16
 COMMON_ARGS=(--attention-backend "${ATTN_BACKEND:-triton}" --sampling-backend pytorch --mem-fraction-static 0.8
              --cuda-graph-max-bs-decode 128 --max-running-requests 128)
-SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16
+SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-triton}")
 NOTES=("max-running-requests is explicit: SGLang silently caps DFLASH at 48 otherwise")
 launch_main "$@"

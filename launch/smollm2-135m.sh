@@ -10,7 +10,7 @@ DRAFT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/sglang_dflash/assets/Smol
 PREPARE="from sglang_dflash.targets import smollm2; smollm2.convert()"
 COMMON_ARGS=(--attention-backend "${ATTN_BACKEND:-triton}" --sampling-backend pytorch --mem-fraction-static 0.5
              --cuda-graph-max-bs-decode 128 --max-running-requests 128)
-SPEC_ARGS=(--speculative-algorithm DFLASH --speculative-num-draft-tokens 16
+SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-triton}")
 NOTES=("target created on first use by: python -c \"$PREPARE\"")
 launch_main "$@"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,10 +17,11 @@ _KNOWN_PREFIXES = ("model.",)
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, max_shard_bytes: int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-    """Write config.json and model.safetensors (or model-0000N-of-0000M.safetensors + index when sharded)."""
+                 dtype: torch.dtype | None = None, config_changes: Mapping[str, Any] | None = None) -> None:
+    """Write config.json and model.safetensors (or model-0000N-of-0000M.safetensors + index when sharded).
+    config_changes: `published_drafter_config` arguments for the written config.json (e.g. mask_token)."""
     path = Path(path)
-    drafter.config.save(path)
+    drafter.config.save(path, **(config_changes or {}))
     state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in state.values()) <= max_shard_bytes:
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

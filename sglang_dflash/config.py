@@ -149,41 +149,54 @@ class DFlashConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DFlashConfig":
-        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-        if not file.is_file():
-            raise DFlashConfigError("config.json", str(file), "not found",
-                                    "point --speculative-draft-model-path at the drafter's directory")
+        """Parse a drafter directory's (or file's) config.json afresh; serving code uses :meth:`load`."""
+        file = _config_file(path)
         try:
             return cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as e:
             raise DFlashConfigError("config.json", str(file), f"is not valid JSON ({e})",
                                     "re-download or re-export the drafter") from None
 
-    def to_dict(self) -> dict[str, Any]:
-        """config.json in the published layout (unknown keys of the original are kept)."""
-        d = dict(self.raw)
-        d.update(
-            architectures=[SUPPORTED_ARCHITECTURE],
-            model_type=d.get("model_type", "qwen3"),
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, layer_types=list(self.layer_types), sliding_window=self.sliding_window,
-            attention_bias=self.attention_bias, hidden_act=self.hidden_act, tie_word_embeddings=False,
-            block_size=self.block_size, num_target_layers=self.num_target_layers,
-        )
-        dflash = dict(d.get("dflash_config") or {})
-        dflash.update(target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id)
-        if self.input_embedding_scale != 1.0:
-            dflash["input_embedding_scale"] = self.input_embedding_scale
-        d["dflash_config"] = dflash
-        if self.is_causal is not None:
-            d["is_causal"] = self.is_causal
+    @classmethod
+    def load(cls, path: str | Path) -> "DFlashConfig":
+        """THE drafter config of a process: parsed and checked once per file, then the same object for every caller.
+
+        SGLang's launcher runs our startup checks, and each scheduler process builds our worker and then the draft
+        model; all of them ask for the config of --speculative-draft-model-path. Memoised by the resolved file, its
+        modification time and size, so a drafter rewritten in place (training writes into the same directory) is
+        read again, and everyone else gets the one object. Treat it as read-only (``raw`` is a plain dict)."""
+        file = _config_file(path)
+        stat = file.stat()
+        key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size)
+        cfg = _LOADED.get(key)
+        if cfg is None:
+            cfg = _LOADED[key] = cls.from_pretrained(file)
+        return cfg
+
+    def to_dict(self, **changes: Any) -> dict[str, Any]:
+        """config.json in the published layout, written by `published_drafter_config` (the one writer) from this
+        config's fields. Keys it does not write (rope settings, torch_dtype, unknown keys of the file this config was
+        read from) are kept. `changes`: further `published_drafter_config` arguments (mask_token, torch_dtype, extra
+        keys) for the copy being written."""
+        raw = dict(self.raw)
+        args: dict[str, Any] = dict(
+            hidden=self.hidden_size, inter=self.intermediate_size, layers=self.num_hidden_layers,
+            heads=self.num_attention_heads, kv=self.num_key_value_heads, head_dim=self.head_dim,
+            vocab=self.vocab_size, ids=list(self.target_layer_ids), mask=self.mask_token_id, block=self.block_size,
+            rms_norm_eps=self.rms_norm_eps, input_embedding_scale=self.input_embedding_scale,
+            layer_types=list(self.layer_types), sliding_window=self.sliding_window, is_causal=self.is_causal,
+            model_type=raw.get("model_type", "qwen3"), hidden_act=self.hidden_act,
+            attention_bias=self.attention_bias, torch_dtype=None)  # None: torch_dtype as read (or absent)
+        args.update(changes)
+        written = published_drafter_config(self.num_target_layers, **args)
+        d = {**raw, **written}
+        d["dflash_config"] = {**(raw.get("dflash_config") or {}), **written["dflash_config"]}
         return d
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, **changes: Any) -> None:
+        """Write config.json (`to_dict(**changes)`) into the directory `path`."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        (Path(path) / "config.json").write_text(json.dumps(self.to_dict(**changes), indent=2) + "\n")
 
     # --------------------------------------------------------------- validation
     def check(self) -> None:
@@ -250,31 +263,57 @@ class DFlashConfig:
 
 
 def published_drafter_config(target_layers: int, *, hidden: int, inter: int, layers: int, heads: int, kv: int,
-                             head_dim: int, vocab: int, ids: list[int], mask: int, rope_theta: float, max_pos: int,
-                             block: int = 16, rms_norm_eps: float = 1e-6, input_embedding_scale: float = 1.0,
-                             layer_types: list[str] | None = None, sliding_window: int | None = None,
+                             head_dim: int, vocab: int, ids: list[int], mask: int, rope_theta: float | None = None,
+                             max_pos: int | None = None, block: int = 16, rms_norm_eps: float = 1e-6,
+                             input_embedding_scale: float = 1.0, layer_types: list[str] | None = None,
+                             sliding_window: int | None = None, is_causal: bool | None = None,
+                             mask_token: str | None = None, model_type: str = "qwen3", hidden_act: str = "silu",
+                             attention_bias: bool = False, torch_dtype: str | None = "bfloat16",
                              **extra) -> dict[str, Any]:
-    """A drafter config.json dict in the published z-lab layout (Qwen3 layer stack + DFlash keys): what
-    `DFlashConfig.from_dict` and SGLang's own parser read. Used for our trained drafters and the shape presets."""
+    """THE writer of a drafter config.json dict in the published z-lab layout (Qwen3 layer stack + DFlash keys):
+    what `DFlashConfig.from_dict` and SGLang's own parser read. Our trained drafters and every saved drafter
+    (`DFlashConfig.to_dict`), the shape presets, the real targets' drafters and the tiny test drafters all come from
+    here. `rope_theta`, `max_pos`, `torch_dtype`, `is_causal`, `mask_token`: None leaves the key out; `extra`: more
+    top-level keys (they win)."""
     d = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
+        "architectures": [SUPPORTED_ARCHITECTURE],
+        "model_type": model_type,
         "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "vocab_size": vocab, "hidden_act": "silu", "rms_norm_eps": rms_norm_eps, "attention_bias": False,
+        "vocab_size": vocab, "hidden_act": hidden_act, "rms_norm_eps": rms_norm_eps, "attention_bias": attention_bias,
         "rope_theta": rope_theta, "max_position_embeddings": max_pos, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "layer_types": layer_types or ["full_attention"] * layers,
+        "torch_dtype": torch_dtype,
+        "layer_types": list(layer_types or ["full_attention"] * layers),
+        # written even when None: the drafters we trained and ship carry "sliding_window": null (transformers reads
+        # null and absent alike, use_sliding_window being false)
+        "sliding_window": sliding_window,
         "block_size": block, "num_target_layers": target_layers,
         "dflash_config": {"target_layer_ids": list(ids), "mask_token_id": mask},
+        "is_causal": is_causal,
     }
+    for key in ("rope_theta", "max_position_embeddings", "torch_dtype", "is_causal"):
+        if d[key] is None:
+            del d[key]
     if input_embedding_scale != 1.0:
         d["dflash_config"]["input_embedding_scale"] = input_embedding_scale
+    if mask_token is not None:
+        d["dflash_config"]["mask_token"] = mask_token
     if sliding_window is not None:
-        d["sliding_window"] = sliding_window
         d["use_sliding_window"] = True
     d.update(extra)
     return d
+
+
+def _config_file(path: str | Path) -> Path:
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise DFlashConfigError("config.json", str(file), "not found",
+                                "point --speculative-draft-model-path at the drafter's directory")
+    return file
+
+
+# DFlashConfig.load's memo: (resolved config.json, mtime_ns, size) -> the one parsed, checked config
+_LOADED: dict[tuple[str, int, int], DFlashConfig] = {}
 
 
 def _text_config(cfg: Any) -> Any:

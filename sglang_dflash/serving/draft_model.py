@@ -17,7 +17,8 @@ crosses the runner and float32 serving stays float32.
 
 from __future__ import annotations
 
-from typing import Iterable
+from pathlib import Path
+from typing import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,22 @@ def _sglang():
 def _norm(dim: int, eps: float, gemma: bool):
     layernorm = _sglang()[0]
     return layernorm.GemmaRMSNorm(dim, eps=eps) if gemma else layernorm.RMSNorm(dim, eps=eps)
+
+
+def drafter_config(config) -> DFlashConfig:
+    """The DFlashConfig of the HF config SGLang hands the model class: the worker's own object, not a second parse.
+
+    SGLang builds that HF config from --speculative-draft-model-path (the draft TpModelWorker's ModelConfig), and
+    transformers records the directory it read as ``name_or_path``. ``DFlashConfig.load`` of that directory returns
+    the object the worker loaded a moment earlier in this scheduler process (memoised per file), so worker and draft
+    model run on one parsed, checked config, and the worker checks that they do. A plain dict (tests build the model
+    directly) or a config that was not read from a local directory is parsed here."""
+    if isinstance(config, Mapping):
+        return DFlashConfig.from_dict(config)
+    source = getattr(config, "name_or_path", None)
+    if source and (Path(source) / "config.json").is_file():
+        return DFlashConfig.load(source)
+    return DFlashConfig.from_dict(config.to_dict())
 
 
 class SGLangDraftAttention(nn.Module):
@@ -117,7 +134,7 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         if quant_config is not None:
             raise ValueError("quantized DFlash drafters are not supported. Fix: serve the drafter unquantized")
-        self.dflash = cfg = DFlashConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
+        self.dflash = cfg = drafter_config(config)
         self.config = config
         h = cfg.hidden_size
         self.layers = nn.ModuleList(SGLangDraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))

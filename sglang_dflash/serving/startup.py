@@ -99,6 +99,8 @@ def check_draft_path_before_alias(original, speculative_algorithm, speculative_d
 
 
 def load_draft_config(server_args) -> DFlashConfig:
+    """The drafter's config, parsed once per process (`DFlashConfig.load`): here in the launcher, and in each
+    scheduler process by the worker, whose draft model then gets the same object (draft_model.drafter_config)."""
     path = server_args.speculative_draft_model_path
     if path is None:
         raise DFlashStartupError("--speculative-algorithm DFLASH needs --speculative-draft-model-path. "
@@ -106,7 +108,7 @@ def load_draft_config(server_args) -> DFlashConfig:
     if not Path(path).is_dir():
         raise DFlashStartupError(f"--speculative-draft-model-path {path!r} is not a local directory. Fix: download "
                                  "the drafter (config.json + *.safetensors) and pass its directory")
-    return DFlashConfig.from_pretrained(path)
+    return DFlashConfig.load(path)
 
 
 def _target_config(server_args):

@@ -29,10 +29,10 @@ import logging
 import torch
 
 from ..acceptance import verify_greedy, verify_sampled, verify_sampled_logits
-from ..config import DFlashConfig
 from ..sampling import SamplingTensors, processed_probs
 from . import compat
 from .controls import SamplingControls
+from .startup import load_draft_config
 from .verify_widths import VerifyWidths
 from .width_control import WidthControls, WidthController
 
@@ -64,7 +64,8 @@ class DFlashWorker(BaseSpecWorker):
         self.server_args, self._target_worker = server_args, target_worker
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
-        self.cfg = DFlashConfig.from_pretrained(server_args.speculative_draft_model_path)
+        # the process's one drafter config (DFlashConfig.load); the draft model built below gets the same object
+        self.cfg = load_draft_config(server_args)
         self.cfg.validate_against_target(self.model_runner.model_config.hf_config)
         self.block = B = int(server_args.speculative_num_draft_tokens)
         if B != self.cfg.block_size:  # startup.handle_dflash_args already enforced this; keep the invariant local
@@ -78,6 +79,9 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker = bundle.draft_worker
         self.draft_runner = bundle.draft_model_runner
         self.draft_model = bundle.draft_model
+        if self.draft_model.dflash != self.cfg:  # one config for worker and draft model (draft_model.drafter_config)
+            raise ValueError(f"the draft model was built from another drafter config than the worker's: "
+                             f"{self.draft_model.dflash} != {self.cfg}. Fix: serve the drafter from a local directory")
         target = self.model_runner.model
         self.draft_model.bind_target(target.get_input_embeddings().weight, _lm_head_weight(target))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DFlashConfig
+from ..config import DFlashConfig, embedding_scale_for_target, published_drafter_config
 from ..drafter import DFlashDrafter
 
 ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral", "phi3")
@@ -57,38 +57,19 @@ def tiny_target(arch: str = "qwen3", vocab_size: int = 256, hidden_size: int = 6
 def tiny_drafter_config(target_config, num_layers: int = 1, block_size: int = 16,
                         target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                         **overrides) -> dict:
-    """A config.json dict in the published layout, shaped for `target_config`."""
-    from ..config import embedding_scale_for_target
-
+    """A config.json dict in the published layout (written by `published_drafter_config`), shaped for
+    `target_config`. `overrides`: more `published_drafter_config` arguments or top-level keys."""
     n_target = target_config.num_hidden_layers
     hidden = target_config.hidden_size
-    d = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": hidden // 4,
-        "vocab_size": target_config.vocab_size,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "block_size": block_size,
-        "num_target_layers": n_target,
-        "dflash_config": {
-            "target_layer_ids": target_layer_ids if target_layer_ids is not None else [1, n_target - 2],
-            "mask_token_id": mask_token_id if mask_token_id is not None else target_config.vocab_size - 1,
-        },
-    }
-    scale = embedding_scale_for_target(target_config)
-    if scale != 1.0:
-        d["dflash_config"]["input_embedding_scale"] = scale
-    d.update(overrides)
-    return d
+    args = dict(hidden=hidden, inter=2 * hidden, layers=num_layers, heads=4, kv=2, head_dim=hidden // 4,
+                vocab=target_config.vocab_size,
+                ids=target_layer_ids if target_layer_ids is not None else [1, n_target - 2],
+                mask=mask_token_id if mask_token_id is not None else target_config.vocab_size - 1,
+                rope_theta=10000.0, max_pos=2048, block=block_size,
+                input_embedding_scale=embedding_scale_for_target(target_config),
+                torch_dtype=None)  # tiny drafters live in float32 unless cast; the saver records the dtype it writes
+    args.update(overrides)
+    return published_drafter_config(n_target, **args)
 
 
 def tiny_drafter(target_config, seed: int = 1, dtype=torch.float32, **kwargs) -> DFlashDrafter:

@@ -86,13 +86,10 @@ def save_drafter_dir(drafter, target_dir: str | Path, out_dir: str | Path, dtype
     from ..checkpoint import save_drafter
 
     out = Path(out_dir)
-    save_drafter(drafter, out, dtype=getattr(torch, dtype))
-    cfg = json.loads((out / "config.json").read_text())
-    if mask_token:
-        cfg["dflash_config"]["mask_token"] = mask_token
-    cfg["torch_dtype"] = cfg["dtype"] = dtype
-    cfg.setdefault("rope_theta", 10000.0)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    # config.json through the one writer (config.published_drafter_config): the name of the mask token and the
+    # dtype the weights are written in (torch_dtype for SGLang 0.5.17, dtype for transformers 5)
+    save_drafter(drafter, out, dtype=getattr(torch, dtype),
+                 config_changes=dict(mask_token=mask_token or None, torch_dtype=dtype, dtype=dtype))
     for f in Path(target_dir).iterdir():
         if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
             shutil.copy(f, out / f.name)
