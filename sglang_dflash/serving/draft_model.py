@@ -182,6 +182,11 @@ class DFlashDraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             kv_pool.set_kv_buffer(layer.self_attn.attn, cache_loc, k[i], v[i])
 
+    def prepare_context_kv(self) -> None:
+        """Build the stacked context weights now (after loading), so no graph capture ever allocates them."""
+        self._context_weights = None
+        self._stacked_context_weights()
+
     def _stacked_context_weights(self):
         """K and V rows of every layer's fused qkv_proj, stacked (built once, after the weights are loaded)."""
         if self._context_weights is None:

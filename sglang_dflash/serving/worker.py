@@ -10,8 +10,9 @@ worker owns one model step:
              verify  one target pass over [bonus, d_1..d_k], hidden capture  -> logits [bs, k+1, V]
              process penalties, min_new_tokens, grammar, logit_bias per row   (controls.py; exact per position)
              accept  acceptance.verify_greedy / verify_sampled(_logits)       -> commit_lens, tokens
-             commit  publish new lengths; write context K/V of the k+1 verified rows (rows past commit_len are
-                     rewritten by the next step's block, which starts at the new length)
+             commit  write context K/V of the k+1 verified rows, INSIDE the verify forward (context_commit.py:
+                     captured in the verify CUDA graphs, no launches of its own); rows past commit_len are
+                     rewritten by the next step's block, which starts at the new length; publish new lengths
 
 A step with k = 0 is a plain decode step of the target that still captures its hidden state and writes the
 drafter's context K/V, so speculation can resume at any later step without re-prefilling anything. A step with
@@ -31,6 +32,7 @@ import torch
 from ..acceptance import verify_greedy, verify_sampled, verify_sampled_logits
 from ..sampling import SamplingTensors, processed_probs
 from . import compat
+from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .startup import load_draft_config
 from .verify_widths import VerifyWidths
@@ -84,6 +86,10 @@ class DFlashWorker(BaseSpecWorker):
                              f"{self.draft_model.dflash} != {self.cfg}. Fix: serve the drafter from a local directory")
         target = self.model_runner.model
         self.draft_model.bind_target(target.get_input_embeddings().weight, _lm_head_weight(target))
+        # the commit runs inside the target's verify forward, so the verify graphs capture it (context_commit.py);
+        # the stacked K/V weights are built now, eagerly, not lazily inside a graph capture
+        self.draft_model.prepare_context_kv()
+        self._commit = ContextCommitInVerify(target, self.draft_model, lambda: self.draft_runner.token_to_kv_pool)
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
@@ -145,6 +151,10 @@ class DFlashWorker(BaseSpecWorker):
             self._widths.capture()
             logger.info("sglang-dflash: extra target verify graphs for widths %s: %.2f GB", self._widths.widths,
                         self._widths.graph_memory_gb)
+        if self.model_runner.decode_cuda_graph_runner is not None and self._commit.calls == 0:
+            raise RuntimeError("the target's verify CUDA graphs were captured without the DFLASH context commit "
+                               "(the target's forward was not called through model.forward). Fix: run with "
+                               "--disable-cuda-graph and report the target model class")
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
         # the scheduler's host-side report of a finished decode step: feeds the width policy with no sync
@@ -219,9 +229,10 @@ class DFlashWorker(BaseSpecWorker):
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
         # contiguous: a [bs, 1] column of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
         positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
+        # (the verify forward also commits the rows' context K/V into the draft cache: context_commit.py)
         with _phase("dflash.verify"), self._widths.target_at(W):
-            logits, features, graphed = self._verify(batch, verify_ids, positions, cache_loc,
-                                                     self._host_lens(batch, state, W), bs, W)
+            logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, self._host_lens(batch, state, W),
+                                           bs, W)
 
         # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
         #    on the rows processed as plain decoding would (penalties, min_new_tokens, grammar, logit_bias: each row
@@ -232,14 +243,10 @@ class DFlashWorker(BaseSpecWorker):
             commit_lens, tokens = self._accept(batch, drafts, logits)
             self._controls.commit(pending, tokens, commit_lens)
             bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
+        # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); publish
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)
-
-        # 4) commit: context K/V of the verified tokens into the draft cache (their target K/V is already written)
-        with _phase("dflash.commit"):
-            self.draft_model.write_context_kv(features, positions.reshape(-1), cache_loc.reshape(-1),
-                                              self.draft_runner.token_to_kv_pool)
         self._control.step_end(bs, k, timer)
         return GenerationBatchResult(
             logits_output=self._controls.logprobs(batch, logits, tokens),  # None unless a request asked for logprobs
@@ -296,14 +303,16 @@ class DFlashWorker(BaseSpecWorker):
             fb, _ = vin.prepare_for_verify(batch, self.target_worker)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        commits = self._commit.calls
         out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True,
                                                           skip_attn_backend_init=True)
+        graphed = bool(out.can_run_cuda_graph)
+        if not graphed and self._commit.calls == commits:  # eager: the wrapper must have run (graphs: at capture)
+            raise RuntimeError("DFLASH verify ran eagerly without committing the drafter's context K/V: the target's "
+                               "forward was bypassed (context_commit.py)")
         lo = out.logits_output
-        n = bs * width
-        logits = lo.next_token_logits[:n]
-        features = lo.hidden_states[:n]
-        lo.hidden_states = None
-        return logits, features, bool(out.can_run_cuda_graph)
+        lo.hidden_states = None  # consumed inside the forward; never shipped to the host
+        return lo.next_token_logits[:bs * width], graphed
 
     def _accept(self, batch, drafts, logits):
         info = batch.sampling_info

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One background GPU job for the fast-step issue (#10 items 2, 3) and the SmolLM2 server run (#15 item 4), run on
+# the lent GPU machine once the device stack is installed (started by one call, polled by later ones):
+#   nohup bash benchmarks/gpu_step_job.sh > /tmp/job/log 2>&1 &
+# It runs from a snapshot under /tmp/job/snap, because the device re-syncs the repo folder at every call.
+#   cost   driver, Qwen3-8B shape (random weights): none / ours (adaptive) / builtin, greedy, c = 1..128 -> /tmp/job/cost
+#   fixed  the same for ours-fixed at T = 0 and T = 1 (acceptance ~1 at both temperatures, so the tok/s ratio is
+#          the sampled verify's cost)                                                              -> /tmp/job/cost
+#   smol   driver, SmolLM2-135M-Instruct (staged at /tmp/smollm2 by gpu_stage.sh) + the shipped drafter:
+#          none / ours-fixed / builtin / ours, greedy, c = 1, 8, real prompts                       -> /tmp/job/smol
+#   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
+#          start per method                                                                        -> /tmp/job/prof
+# PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
+# /tmp/job/results.tar.gz holds every result so far (no traces).
+set -uo pipefail
+JOB=/tmp/job
+SNAP=$JOB/snap
+mkdir -p "$JOB" && rm -rf "$SNAP" && mkdir -p "$SNAP"
+tar --exclude=./.devstack --exclude=./.stage --exclude=./.carry -cf - . | tar -C "$SNAP" -xf -
+cd "$SNAP" && source benchmarks/gpu_env.sh || exit 1
+SHAPE_DIR=/tmp/shape-qwen3-8b
+COMMON_8B="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.8
+ --cuda-graph-max-bs-decode 128 --max-running-requests 128 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode 1 2 4 8 16 32 64 128"
+COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.5
+ --cuda-graph-max-bs-decode 128 --max-running-requests 128 --dtype bfloat16 --disable-prefill-cuda-graph"
+[ -d "$SHAPE_DIR" ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b "$SHAPE_DIR" || exit 1
+
+run_8b() {  # METHODS TEMPERATURES: one driver call into $JOB/cost (the report covers every method run so far)
+  python3 -m benchmarks.driver --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy --methods "$1" \
+    --out $JOB/cost --wait-s 300 --common-args "$COMMON_8B" --title "qwen3-8b-shaped random weights: step cost" -- \
+    --datasets random --temperatures "$2" --concurrency 1,8,32,64,128 --max-new-tokens 256 --ignore-eos \
+    --random-input-len 128 --random-vocab 151000 --rounds 2 --min-convs 4 --no-progress
+  python3 -m benchmarks.report $JOB/cost --title "qwen3-8b-shaped random weights: step cost"
+}
+
+for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
+  echo "=== $phase $(date -u +%T)"
+  case $phase in
+    cost) run_8b "${COST_METHODS:-none,ours,builtin}" 0 ;;
+    fixed) run_8b ours-fixed 0,1 ;;  # T = 1 at the same acceptance (~1) as greedy: the sampled verify's cost
+    prof)
+      python3 -m benchmarks.profile_step --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy \
+        --methods "${PROF_METHODS:-ours-fixed,ours}" --concurrency "${PROF_CONC:-1,32}" \
+        --steps "${PROF_STEPS:-20}" --warmup-s 10 --out $JOB/prof --wait-s 300 --common-args "$COMMON_8B" ;;
+    smol)
+      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      python3 -m benchmarks.driver --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
+        --methods "${SMOL_METHODS:-none,ours-fixed,builtin,ours}" --out $JOB/smol --wait-s 200 \
+        --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter, H100" -- \
+        --datasets humaneval,mtbench,gsm --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 \
+        --min-convs 16 --warmup 2 --no-progress
+      python3 -m benchmarks.report $JOB/smol --title "SmolLM2-135M-Instruct + shipped drafter, H100" ;;
+  esac
+  touch "$JOB/$phase.done"
+  # results so far, for the polling call to bring back (at most 8 files per call)
+  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol prof 2>/dev/null) 2>/dev/null
+done
+echo "=== all done $(date -u +%T)"
