@@ -97,3 +97,87 @@ def test_worth_timing_without_table_entries_times_everything_plausible(monkeypat
         ctl.policy.stats.update(np.ones(8, dtype=int), 15)  # nothing accepted
     assert ctl.policy.stats.expected_commit()[15] <= 1 + width_control_useless
     assert not any(ctl._worth_timing(4, k) for k in (3, 7, 15))
+
+
+# ------------------------------------------------------------------------------ step cost = the step's cycle
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _timed_controller(monkeypatch, cuda: bool = False):
+    clock = _Clock()
+    monkeypatch.setattr(width_control.time, "perf_counter", clock)
+    ctl = WidthController(WidthControls.from_env(BLOCK, env={}), BLOCK, device="cpu")
+    for k in (0, 3, 7, 15):
+        ctl._explored[1, k] = EXPLORE_STEPS  # past the warm-up try (whose time is dropped)
+    recorded = []
+    monkeypatch.setattr(ctl.policy, "record", lambda bs, k, commits, seconds: recorded.append((k, seconds)))
+    if cuda:  # events that fire when told, timed by the same clock
+        class Event:
+            def __init__(self):
+                self.t, self.fired = None, False
+
+            def record(self):
+                self.t, self.fired = clock.t, False
+
+            def query(self):
+                return self.fired
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3
+
+        ctl._cuda = True
+        ctl._events = [(Event(), Event()) for _ in range(8)]
+    return ctl, clock, recorded
+
+
+def _step(ctl, clock, k, launch_s):
+    timer = ctl.step_begin()
+    clock.t += launch_s
+    ctl.step_end(1, k, timer)
+    return timer
+
+
+def test_step_cost_is_the_cycle_to_the_next_step_start(monkeypatch):
+    """Host-bound steps: the time between step starts (scheduler work included) is the cost, not the launch."""
+    ctl, clock, recorded = _timed_controller(monkeypatch)
+    _step(ctl, clock, 15, 0.001)
+    clock.t += 0.004  # the scheduler's own work between steps
+    _step(ctl, clock, 15, 0.001)
+    ctl.on_verify_complete([3], 1)
+    assert recorded[-1][1] == pytest.approx(0.005)  # cycle, not the 1 ms inside the step
+    ctl.on_verify_complete([3], 1)  # no next step yet: the step's own interval
+    assert recorded[-1][1] == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("pause", ["prefill", "gap"])
+def test_no_cycle_across_a_prefill_or_a_pause(monkeypatch, pause):
+    ctl, clock, recorded = _timed_controller(monkeypatch)
+    _step(ctl, clock, 0, 0.002)
+    if pause == "prefill":
+        ctl.interrupt()
+        clock.t += 0.05
+    else:
+        clock.t += width_control.MAX_CYCLE_GAP_S + 1
+    _step(ctl, clock, 0, 0.002)
+    ctl.on_verify_complete([0], 1)
+    assert recorded[-1][1] == pytest.approx(0.002)
+
+
+def test_cuda_cycle_waits_for_the_next_start_event(monkeypatch):
+    """Overlap scheduling reports step N after N + 1 launched; N + 1's start event may not have fired yet, so N's
+    record waits (no synchronisation) until the next report, when it has."""
+    ctl, clock, recorded = _timed_controller(monkeypatch, cuda=True)
+    t1 = _step(ctl, clock, 7, 0.001)
+    clock.t += 0.003
+    t2 = _step(ctl, clock, 7, 0.001)
+    t1[0].fired = t1[1].fired = True
+    ctl.on_verify_complete([2], 1)  # step 1 reported; step 2's start not on the GPU yet
+    assert recorded == []
+    t2[0].fired = t2[1].fired = True
+    ctl.on_verify_complete([2], 1)  # step 2 reported: step 1 recorded with its cycle, then step 2 (no next step)
+    assert [round(s, 6) for _, s in recorded] == [0.004, 0.001]
