@@ -6,13 +6,8 @@ running per-position acceptance and a step-time table). This module feeds it wit
 - acceptance arrives through SGLang's ``on_verify_complete_cpu`` hook, which the scheduler calls with each decode
   step's per-request accepted-draft counts once its results are on the host anyway (one or two steps later under
   overlap); steps are matched to it in launch order (a FIFO of what each step verified);
-- step time is the step's CYCLE: from its start to the start of the next decode step, CUDA events (or wall time
-  on CPU). Under overlap scheduling that interval is what a step really costs whichever side bounds it: GPU work
-  when the GPU is the bottleneck, and the host's whole loop (scheduler included) when the host is, as on small
-  targets: on SmolLM2-135M at c = 1 a k = 15 step took 2.2 plain steps of wall time while the GPU events around
-  the step alone said ~1.5, so the policy kept speculating where it did not pay. When no next decode step follows
-  directly (a prefill or idle forward in between, a pause, or non-overlap scheduling, which reports a step before
-  the next starts) the events around the step itself are used;
+- step time is a pair of CUDA events around the step (read when that hook fires, so already complete), or wall
+  time on CPU where every op is synchronous;
 - the step-time table starts empty: the first steps at each batch-size bucket try every width a few times
   (exploration, the first try of each discarded as warm-up), then the table follows an EMA of what steps cost.
   A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a useless
@@ -50,7 +45,6 @@ EXPLORE_STEPS = 3  # tries of each width per batch-size bucket before the table 
 EXPLORE_MARGIN = 0.9
 USELESS_GAIN = 0.02  # E[commit | k] <= 1 + this: no width can pay (none costs less than a plain step), skip timing
 _EVENT_POOL = 512  # CUDA event pairs reused round-robin (far more than the steps in flight)
-MAX_CYCLE_GAP_S = 0.25  # host time between two step starts beyond which the server paused: not a step's cost
 
 
 def default_widths(block: int) -> list[int]:
@@ -115,9 +109,6 @@ class WidthController:
                                   pinned=controls.pinned, adaptive=controls.adaptive)
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> steps timed
         self._pending: collections.deque = collections.deque()  # (bs, k, timer) per launched decode step
-        self._deferred: collections.deque = collections.deque()  # reported steps whose next start had not fired
-        self._link = False  # whether the next step_begin directly follows the last launched decode step
-        self._last_begin = 0.0
         self._steps = 0
         self._cuda = device != "cpu"
         if self._cuda:
@@ -158,29 +149,17 @@ class WidthController:
 
     # ------------------------------------------------------------------------------------- step feedback
     def step_begin(self):
-        """Start a decode step's timer; it also ends the previous decode step's cycle when this one follows it."""
-        now = time.perf_counter()
-        if self._cuda:
-            start, end = self._events[self._steps % _EVENT_POOL]
-            start.record()
-        else:
-            start, end = now, None
-        if self._link and self._pending and now - self._last_begin < MAX_CYCLE_GAP_S:
-            self._pending[-1][2][2] = start  # the previous step's cycle ends where this one starts
-        self._last_begin, self._link = now, True
-        return [start, end, None]  # start, end of this step, start of the next decode step (set by that step)
-
-    def interrupt(self) -> None:
-        """A forward that is not a decode step (prefill, idle) ran: the last decode step's cycle is not measurable."""
-        self._link = False
+        if not self._cuda:
+            return time.perf_counter()
+        start, end = self._events[self._steps % _EVENT_POOL]
+        start.record()
+        return start, end
 
     def step_end(self, bs: int, k: int, timer) -> None:
         if self._cuda:
             timer[1].record()
-        elif isinstance(timer, list):
-            timer[1] = time.perf_counter()
-        else:  # a bare start stamp (tests hand the modelled seconds here)
-            timer = [timer, time.perf_counter(), None]
+        else:
+            timer = (timer, time.perf_counter())
         self._pending.append((bs, k, timer))
         self._steps += 1
         if self._metric is not None:
@@ -194,14 +173,6 @@ class WidthController:
                 break
         else:
             return
-        while self._deferred:  # their next step has reported by now, so its start event has fired
-            self._record(*self._deferred.popleft())
-        if self._cuda and timer[2] is not None and not timer[2].query():
-            self._deferred.append((bs, k, timer, num_correct_drafts))  # the next step's start: not yet on the GPU
-            return
-        self._record(bs, k, timer, num_correct_drafts)
-
-    def _record(self, bs: int, k: int, timer, num_correct_drafts: list[int]) -> None:
         seconds = self._seconds(timer)
         bucket = _bucket(bs)
         self._explored[bucket, k] += 1
@@ -214,14 +185,12 @@ class WidthController:
             logger.info("sglang-dflash speculation: %s | %s", self.controls.describe(), self.policy.summary())
 
     def _seconds(self, timer) -> float | None:
-        """The step's cycle (start to the next decode step's start) when known, else start to end."""
-        start, end, nxt = timer
-        stop = nxt if nxt is not None else end
+        start, end = timer
         if not self._cuda:
-            return stop - start
-        if not stop.query():  # never expected (the results were copied after the step); skip rather than wait
+            return end - start
+        if not end.query():  # never expected (the results were copied after the step); skip rather than wait
             return None
-        return start.elapsed_time(stop) / 1e3
+        return start.elapsed_time(end) / 1e3
 
 
 def _width_counter():

@@ -171,10 +171,8 @@ class DFlashWorker(BaseSpecWorker):
         # grammar_barrier (overlap scheduling): advances the grammar matchers over the previous step's committed
         # tokens, so this step's masks start from the right state (controls.process calls it)
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
-            self._control.interrupt()  # the last decode step's cycle would include this prefill
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_idle():
-            self._control.interrupt()
             return self._idle(on_publish)
         return self._decode_step(batch, on_publish, grammar_barrier)
 
