@@ -30,6 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on host:port right now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
 def server_argv(model_path: str | Path, port: int, host: str = "127.0.0.1", args: list[str] = (),
                 python: str = sys.executable) -> list[str]:
     """The one `launch_server` command line: model, host, port, then `args` as given."""
@@ -64,7 +73,12 @@ class Server:
         return self.proc.pid if self.proc else None
 
     def start(self) -> Server:
-        """Start the process and return at once (wait with `wait_healthy`)."""
+        """Start the process and return at once (wait with `wait_healthy`). Refuses a port that something already
+        listens on: `wait_healthy` would take that process's /health for this server's."""
+        if port_in_use(self.host, self.port):
+            raise RuntimeError(f"port {self.port} on {self.host} is already in use (another server still running?), "
+                               f"so this server's health check would talk to it. Fix: stop it (`ss -ltnp | grep "
+                               f":{self.port}` shows its PID) or use another port (tests: SGLANG_DFLASH_TEST_PORT_OFFSET)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
