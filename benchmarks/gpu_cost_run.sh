@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Step cost / throughput of the methods side by side on exact-shape random weights (acceptance ~1), c = 1..128,
-# greedy. The command behind benchmarks/results/{qwen3-8b-random-cost*,adaptive-*,fastpath-*}.
+# greedy (TEMPERATURES=0,1 adds T = 1 at the same acceptance). The command behind
+# benchmarks/results/{qwen3-8b-random-cost*,adaptive-*,fastpath-*}.
 # Run on the lent GPU machine from the repo root, after the device stack is installed (shared/device-stack;
 # benchmarks/gpu_env.sh sources it and registers our plugin):
 #   SHAPE=qwen3-8b METHODS=none,ours,ours-fixed CONCURRENCY=1,8,32,64,128 RUN=/tmp/run8b bash benchmarks/gpu_cost_run.sh
@@ -26,7 +27,7 @@ fi
 timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" \
   --draft "/tmp/shape-$SHAPE/draft" --dummy --methods "${METHODS:-none,builtin,ours}" --out "$RUN" \
   --wait-s "${WAIT_S:-300}" ${COMMON_ARGS:+--common-args "$COMMON_ARGS"} --title "$SHAPE-shaped random weights: step cost" ${DRIVER_ARGS:-} -- \
-  --datasets random --temperatures 0 --concurrency "${CONCURRENCY:-1,8,32,64,128}" --max-new-tokens 256 \
+  --datasets random --temperatures "${TEMPERATURES:-0}" --concurrency "${CONCURRENCY:-1,8,32,64,128}" --max-new-tokens 256 \
   --ignore-eos --random-input-len 128 --random-vocab "${RANDOM_VOCAB:-151000}" --rounds "${ROUNDS:-2}" \
   --min-convs 4 --no-progress
 rc=$?

@@ -26,12 +26,9 @@ COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-bac
  --cuda-graph-max-bs-decode 128 --max-running-requests 128 --dtype bfloat16 --disable-prefill-cuda-graph"
 [ -d "$SHAPE_DIR" ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b "$SHAPE_DIR" || exit 1
 
-run_8b() {  # METHODS TEMPERATURES: one driver call into $JOB/cost (the report covers every method run so far)
-  python3 -m benchmarks.driver --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy --methods "$1" \
-    --out $JOB/cost --wait-s 300 --common-args "$COMMON_8B" --title "qwen3-8b-shaped random weights: step cost" -- \
-    --datasets random --temperatures "$2" --concurrency 1,8,32,64,128 --max-new-tokens 256 --ignore-eos \
-    --random-input-len 128 --random-vocab 151000 --rounds 2 --min-convs 4 --no-progress
-  python3 -m benchmarks.report $JOB/cost --title "qwen3-8b-shaped random weights: step cost"
+run_8b() {  # METHODS TEMPERATURES: gpu_cost_run.sh into $JOB/cost (its report covers every method run so far)
+  OUT= RUN=$JOB/cost SHAPE=qwen3-8b METHODS="$1" TEMPERATURES="$2" ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_8B" \
+    bash benchmarks/gpu_cost_run.sh
 }
 
 for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
