@@ -12,7 +12,7 @@
 #   setsid nohup bash benchmarks/gpu_train_job.sh smollm2 .carry/prompts.pt /tmp/job_smollm2 > /dev/null 2>&1 &
 # Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
 # fraction, 0.6), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
-# earlier data.pt: skip generation), N_EVAL (32), EVAL_NEW (128), BENCH_CONC (1,8), BENCH_TOKENS (192),
+# earlier data.pt: skip generation), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_CONC (1,8), BENCH_TOKENS (192),
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
 # server phase waits for, up to 10 min).
 set -u
@@ -46,7 +46,7 @@ fi
 drafter=$out/train/drafter
 if ! skip tau && [ -f "$drafter/config.json" ]; then
   python3 -m sglang_dflash.train eval "${T[@]}" --drafter "$drafter" --device cuda --dtype float32 \
-    --n-eval "${N_EVAL:-32}" --eval-new-tokens "${EVAL_NEW:-128}" --eval-batch 32 --out "$out/tau.json" \
+    --n-eval "${N_EVAL:-32}" --eval-new-tokens "${EVAL_NEW:-128}" --temperatures ${EVAL_TEMPS:-0 1} --eval-batch 32 --out "$out/tau.json" \
     --results-dir "$out/drafters" > "$out/tau.log" 2>&1
   log "tau exit $?"
 fi

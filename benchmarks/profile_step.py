@@ -10,7 +10,9 @@ greedy requests that stay in decode; once they run, SGLang's ``/start_profile`` 
 - wall time per step vs GPU busy time per step (a step that is GPU-bound has busy ~ wall; idle GPU means the host
   is the bottleneck: launches, Python, or a synchronisation that stops overlap scheduling from hiding them);
 - host synchronisations (``cuda*Synchronize``, blocking copies) with the op and ``dflash.*`` phase around them;
-- the kernels that take the GPU time, and the ``dflash.*`` phases (draft, verify, accept, commit) on CPU and GPU.
+- the kernels that take the GPU time, and the ``dflash.*`` phases (step, draft, verify, accept) on CPU and GPU;
+- host time per step by annotated range: SGLang's scheduler loop (``scheduler.*``), its forward (``step[...]``) and
+  our worker (``dflash.*``), which says whose Python a host-bound step waits for.
 
 Output: ``DIR/profile_summary.json`` and ``DIR/profile_summary.md``; the raw traces stay in ``DIR/traces``.
 """
@@ -23,6 +25,7 @@ import concurrent.futures as cf
 import gzip
 import json
 import random
+import re
 import threading
 import time
 import urllib.request
@@ -37,6 +40,7 @@ SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cuStreamSynchronize", "cuCtxSynchronize")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 CONTEXT_CATS = {"cpu_op", "user_annotation"}
+HOST_RANGES = ("scheduler.", "dflash.", "step[")
 
 
 def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -140,6 +144,14 @@ def summarise_trace(path: Path, steps: int) -> dict:
                          "cudaLaunchKernelExC"):
             launches[e["name"]] += 1
 
+    # host time per step by annotated range: SGLang's scheduler loop (scheduler.*), its forward (step[...]) and
+    # our worker (dflash.*); a range nested in another counts in both
+    host = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "user_annotation" and e["name"].startswith(HOST_RANGES):
+            h = host[re.sub(r"bs=\d+", "bs=N", e["name"])]
+            h[0] += 1
+            h[1] += e["dur"]
     phases = defaultdict(lambda: {"cpu_us": [], "gpu_us": []})
     for e in events:
         if e["name"].startswith("dflash."):
@@ -160,6 +172,8 @@ def summarise_trace(path: Path, steps: int) -> dict:
                         for n, (c, t) in top],
         "syncs": sorted(({"where": k, "count": v["count"], "total_ms": v["total_us"] / 1e3}
                          for k, v in syncs.items()), key=lambda d: -d["total_ms"])[:25],
+        "host_ms_per_step": {n: {"count": c, "ms_per_step": t / 1e3 / steps}
+                             for n, (c, t) in sorted(host.items(), key=lambda kv: -kv[1][1])},
         "phases": {k: {"n": len(v["cpu_us"]),
                        "cpu_ms_mean": (sum(v["cpu_us"]) / len(v["cpu_us"]) / 1e3) if v["cpu_us"] else None,
                        "gpu_ms_mean": (sum(v["gpu_us"]) / len(v["gpu_us"]) / 1e3) if v["gpu_us"] else None}
@@ -182,6 +196,8 @@ def markdown(results: dict) -> str:
             continue
         lines += ["", f"## {m}", "", "phases (ms, mean): " + ", ".join(
             f"{k} cpu {v['cpu_ms_mean'] or 0:.2f} / gpu {v['gpu_ms_mean'] or 0:.2f}" for k, v in r["phases"].items()),
+            "", "host (ms per step, nested ranges count in each): " + ", ".join(
+                f"{n} {h['ms_per_step']:.2f}" for n, h in list(r.get("host_ms_per_step", {}).items())[:10]),
             "", "| kernel | per step (ms) | count |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['count']} |" for k in r["top_kernels"][:12]]
         lines += ["", "| host synchronisation (where) | count | total ms |", "|---|---|---|"]

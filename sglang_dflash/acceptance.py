@@ -34,6 +34,9 @@ def accepted_prefix_len(matches: torch.Tensor) -> torch.Tensor:
 def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the longest prefix of drafts equal to the target's argmax; then emit the target's argmax.
     Output equals target-only greedy decoding token for token."""
+    if drafts.shape[1] == 0:  # a plain decode step (adaptive k = 0): the argmax, one token; 2 launches, not 12
+        next_token = target_logits[:, 0].argmax(dim=-1)
+        return torch.ones_like(next_token), next_token[:, None]
     target_tokens = target_logits.argmax(dim=-1)  # [N, B]
     accepted = accepted_prefix_len(drafts == target_tokens[:, :-1])
     return _assemble(drafts, accepted, target_tokens.gather(1, accepted[:, None])[:, 0])

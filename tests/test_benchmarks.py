@@ -263,7 +263,10 @@ def test_profile_summary_of_a_synthetic_trace(tmp_path):
               ev("user_annotation", "dflash.verify", 0, 350, 3), ev("cpu_op", "aten::item", 100, 60, 3),
               ev("cuda_runtime", "cudaStreamSynchronize", 110, 40, 3),
               ev("cuda_runtime", "cudaStreamSynchronize", 110, 40, 4),             # other thread: no context
-              ev("cuda_runtime", "cudaGraphLaunch", 5, 4, 3), ev("gpu_user_annotation", "dflash.verify", 0, 300, 7)]
+              ev("cuda_runtime", "cudaGraphLaunch", 5, 4, 3), ev("gpu_user_annotation", "dflash.verify", 0, 300, 7),
+              ev("user_annotation", "scheduler.run_batch", 0, 400, 5),
+              ev("user_annotation", "step[TARGET_VERIFY bs=1]", 10, 100, 3),
+              ev("user_annotation", "step[TARGET_VERIFY bs=32]", 200, 60, 3)]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -276,7 +279,12 @@ def test_profile_summary_of_a_synthetic_trace(tmp_path):
                       "cudaStreamSynchronize @ tid 4 in -": 1}
     assert s["phases"]["dflash.verify"] == {"n": 1, "cpu_ms_mean": 0.35, "gpu_ms_mean": 0.3}
     assert [k["name"] for k in s["top_kernels"]] == ["gemm", "attn"]
-    assert "| ours |" in profile_step.markdown({"ours": s})
+    # host time per step by range, batch sizes merged, GPU-side annotations left out
+    assert s["host_ms_per_step"] == {"scheduler.run_batch": {"count": 1, "ms_per_step": pytest.approx(0.2)},
+                                     "dflash.verify": {"count": 1, "ms_per_step": pytest.approx(0.175)},
+                                     "step[TARGET_VERIFY bs=N]": {"count": 2, "ms_per_step": pytest.approx(0.08)}}
+    md = profile_step.markdown({"ours": s})
+    assert "| ours |" in md and "scheduler.run_batch 0.20" in md
 
 
 def test_gpu_e2e_compare_excuses_only_near_ties(monkeypatch):
@@ -294,3 +302,28 @@ def test_gpu_e2e_compare_excuses_only_near_ties(monkeypatch):
     assert [(t["spec"], t["spec_rank"], round(t["spec_gap"], 2)) for t in r["ties"]] == [(8, 1, 0.02)]
     assert [f.get("spec") for f in r["failures"]] == [9, 4, None]
     assert r["failures"][1]["spec_rank"] is None and r["failures"][2]["reason"] == "lengths 1 vs 2"
+
+
+# --------------------------------------------------------------------------------------------- arch search
+def test_arch_search_summary_of_two_runs(tmp_path):
+    """One row per run folder: shape and file size from the drafter, progress from train_log.json, tau per set; a
+    run whose tau phase did not finish still gets its row (with no tau)."""
+    from benchmarks import arch_search
+
+    for name, layers, tau in (("l1", 1, 1.5), ("l2", 2, None)):
+        d = tmp_path / name / "train" / "drafter"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "intermediate_size": 1536}))
+        (d / "model.safetensors").write_bytes(b"x" * 2_000_000)
+        hist = [{"step": 500, "held_out_loss": 4.5, "held_out_block_accept": 1.9}]
+        (d.parent / "train_log.json").write_text(json.dumps({"train": {"steps": 500, "history": hist}}))
+        if tau is not None:
+            res = {"gsm": {"T=0": {"tau": tau, "greedy_equal": True}}}
+            (tmp_path / name / "tau.json").write_text(json.dumps({"results": res}))
+    assert arch_search.main([str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["name"], r["layers"], r["mb"], r["steps"]) for r in rows] == [("l1", 1, 2.0, 500), ("l2", 2, 2.0, 500)]
+    assert rows[0]["tau gsm T=0"] == 1.5 and rows[0]["greedy_equal"] is True and "tau gsm T=0" not in rows[1]
+    md = (tmp_path / "summary.md").read_text()
+    assert "| l1 | 1 | 1536 | 2.0 | 500 | 4.50 | 1.90 | 1.50 | True |" in md
+    assert (tmp_path / "arch_search.png").stat().st_size > 0

@@ -105,6 +105,9 @@ class DFlashWorker(BaseSpecWorker):
         self._positions = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._cache_loc = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._verify_ids = torch.empty((cap * B,), dtype=torch.int64, device=dev)
+        self._plain_positions = torch.empty((cap,), dtype=torch.int64, device=dev)  # k = 0 steps
+        self._plain_cache_loc = torch.empty((cap,), dtype=torch.int64, device=dev)
+        self._ones32 = torch.ones((cap,), dtype=torch.int32, device=dev)  # a k = 0 step commits one token per row
         # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
         self._draft_spec_info = DFlashVerifyInput(
             draft_token=torch.empty(0, dtype=torch.int64, device=dev),
@@ -174,7 +177,8 @@ class DFlashWorker(BaseSpecWorker):
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_idle():
             return self._idle(on_publish)
-        return self._decode_step(batch, on_publish, grammar_barrier)
+        with _phase("dflash.step"):
+            return self._decode_step(batch, on_publish, grammar_barrier)
 
     def _prefill(self, batch, on_publish):
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
@@ -212,23 +216,24 @@ class DFlashWorker(BaseSpecWorker):
         k = self._control.choose(bs)  # drafts to verify this step; W = k + 1 tokens per request
         W = k + 1
         timer = self._control.step_begin()
-        block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs)
 
         # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1 (none when k = 0)
-        verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
-        verify_ids[:, 0] = state.bonus_tokens
         if k > 0:
+            block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs)
+            verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
+            verify_ids[:, 0] = state.bonus_tokens
             with _phase("dflash.draft"):
                 drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
                                      bs, k)
             verify_ids[:, 1:] = drafts
-        else:
+            # contiguous: a [bs, W] slice of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
+            positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
+        else:  # a plain step verifies the bonus alone: no block inputs, 3 launches (host time is its cost, #10)
+            verify_ids, positions, cache_loc = self._plain_inputs(batch, state.bonus_tokens, prefix, bs)
             drafts = verify_ids[:, 1:]  # [bs, 0]
         grammar_chain = self._controls.grammar_chain(batch, verify_ids)  # host copy of the chain, grammars only
 
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
-        # contiguous: a [bs, 1] column of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
-        positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
         # (the verify forward also commits the rows' context K/V into the draft cache: context_commit.py)
         with _phase("dflash.verify"), self._widths.target_at(W):
             logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, self._host_lens(batch, state, W),
@@ -242,16 +247,21 @@ class DFlashWorker(BaseSpecWorker):
                                                      grammar_barrier)
             commit_lens, tokens = self._accept(batch, drafts, logits)
             self._controls.commit(pending, tokens, commit_lens)
-            bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
+            if k > 0:
+                bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
+                next_ids, accept_lens = tokens.clamp_min(0).reshape(-1), commit_lens.to(torch.int32)
+                new_seq_lens = prefix + commit_lens.to(prefix.dtype)
+            else:  # one token per row, never -1 padding; a copy, so the result and the next state share no memory
+                next_ids = tokens.reshape(-1)
+                bonus, accept_lens, new_seq_lens = next_ids.clone(), self._ones32[:bs], prefix + 1
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); publish
-        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._control.step_end(bs, k, timer)
         return GenerationBatchResult(
             logits_output=self._controls.logprobs(batch, logits, tokens),  # None unless a request asked for logprobs
-            next_token_ids=tokens.clamp_min(0).reshape(-1),
-            accept_lens=commit_lens.to(torch.int32),
+            next_token_ids=next_ids,
+            accept_lens=accept_lens,
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=W, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
 
@@ -264,6 +274,14 @@ class DFlashWorker(BaseSpecWorker):
         rows = batch.req_pool_indices.to(torch.int64)[:, None]
         cache_loc.copy_(self.req_to_token_pool.req_to_token[rows, positions])
         return block_ids, positions, cache_loc
+
+    def _plain_inputs(self, batch, bonus, prefix, bs):
+        """The k = 0 step's [bs, 1] ids, positions and KV slots: the bonus token at position prefix."""
+        ids, positions, cache_loc = self._verify_ids[:bs], self._plain_positions[:bs], self._plain_cache_loc[:bs]
+        ids.copy_(bonus)  # our buffer: the verify's input ids must not alias the scheduler's state
+        positions.copy_(prefix)
+        cache_loc.copy_(self.req_to_token_pool.req_to_token[batch.req_pool_indices.to(torch.int64), positions])
+        return ids[:, None], positions[:, None], cache_loc[:, None]
 
     def _host_lens(self, batch, state, width):
         """Host-side upper bounds of the attended lengths (committed + width), for backends that plan on the host."""
@@ -300,7 +318,8 @@ class DFlashWorker(BaseSpecWorker):
         if host_lens[0] is not None:
             batch.seq_lens_cpu, batch.seq_lens_sum = host_lens
         try:
-            fb, _ = vin.prepare_for_verify(batch, self.target_worker)
+            with _phase("dflash.prepare"):  # SGLang's ForwardBatch + graph-replay metadata: host work only
+                fb, _ = vin.prepare_for_verify(batch, self.target_worker)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = saved
         commits = self._commit.calls
