@@ -228,7 +228,8 @@ class DFlashWorker(BaseSpecWorker):
             verify_ids[:, 1:] = drafts
             # contiguous: a [bs, W] slice of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
             positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
-        else:  # a plain step verifies the bonus alone: no block inputs, 3 launches (host time is its cost, #10)
+        else:  # a plain step verifies the bonus alone: no block inputs (its host time is what it costs over a plain
+            # decode step: benchmarks/results/k0-step-qwen3-8b-h100)
             verify_ids, positions, cache_loc = self._plain_inputs(batch, state.bonus_tokens, prefix, bs)
             drafts = verify_ids[:, 1:]  # [bs, 0]
         grammar_chain = self._controls.grammar_chain(batch, verify_ids)  # host copy of the chain, grammars only
