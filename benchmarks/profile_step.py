@@ -144,18 +144,18 @@ def summarise_trace(path: Path, steps: int) -> dict:
                          "cudaLaunchKernelExC"):
             launches[e["name"]] += 1
 
-    # host time per step by annotated range: SGLang's scheduler loop (scheduler.*), its forward (step[...]) and
-    # our worker (dflash.*); a range nested in another counts in both
+    # dflash.* phases on CPU and GPU; and host time per step by annotated range: SGLang's scheduler loop
+    # (scheduler.*), its forward (step[...]) and our worker (dflash.*), a range nested in another counting in both
+    phases = defaultdict(lambda: {"cpu_us": [], "gpu_us": []})
     host = defaultdict(lambda: [0, 0.0])
     for e in events:
-        if e.get("cat") == "user_annotation" and e["name"].startswith(HOST_RANGES):
-            h = host[re.sub(r"bs=\d+", "bs=N", e["name"])]
+        name, cat = e["name"], e.get("cat")
+        if name.startswith("dflash."):
+            phases[name]["gpu_us" if cat == "gpu_user_annotation" else "cpu_us"].append(e["dur"])
+        if cat == "user_annotation" and name.startswith(HOST_RANGES):
+            h = host[re.sub(r"bs=\d+", "bs=N", name)]
             h[0] += 1
             h[1] += e["dur"]
-    phases = defaultdict(lambda: {"cpu_us": [], "gpu_us": []})
-    for e in events:
-        if e["name"].startswith("dflash."):
-            phases[e["name"]]["gpu_us" if e.get("cat") == "gpu_user_annotation" else "cpu_us"].append(e["dur"])
     wall = t1 - t0
     return {
         "trace": path.name,

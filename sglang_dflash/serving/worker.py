@@ -105,8 +105,8 @@ class DFlashWorker(BaseSpecWorker):
         self._positions = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._cache_loc = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._verify_ids = torch.empty((cap * B,), dtype=torch.int64, device=dev)
-        self._plain_positions = torch.empty((cap,), dtype=torch.int64, device=dev)  # k = 0 steps
-        self._plain_cache_loc = torch.empty((cap,), dtype=torch.int64, device=dev)
+        self._plain_positions = torch.empty((cap, 1), dtype=torch.int64, device=dev)  # k = 0 steps
+        self._plain_cache_loc = torch.empty((cap, 1), dtype=torch.int64, device=dev)
         self._ones32 = torch.ones((cap,), dtype=torch.int32, device=dev)  # a k = 0 step commits one token per row
         # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
         self._draft_spec_info = DFlashVerifyInput(
@@ -272,17 +272,20 @@ class DFlashWorker(BaseSpecWorker):
         block_ids, positions, cache_loc = self._block_ids[:bs], self._positions[:bs], self._cache_loc[:bs]
         block_ids[:, 0] = bonus  # columns 1.. keep the mask id written at allocation
         torch.add(prefix[:, None].to(torch.int64), self._offsets, out=positions)
-        rows = batch.req_pool_indices.to(torch.int64)[:, None]
-        cache_loc.copy_(self.req_to_token_pool.req_to_token[rows, positions])
+        cache_loc.copy_(self._kv_slots(batch, positions))
         return block_ids, positions, cache_loc
 
     def _plain_inputs(self, batch, bonus, prefix, bs):
         """The k = 0 step's [bs, 1] ids, positions and KV slots: the bonus token at position prefix."""
         ids, positions, cache_loc = self._verify_ids[:bs], self._plain_positions[:bs], self._plain_cache_loc[:bs]
         ids.copy_(bonus)  # our buffer: the verify's input ids must not alias the scheduler's state
-        positions.copy_(prefix)
-        cache_loc.copy_(self.req_to_token_pool.req_to_token[batch.req_pool_indices.to(torch.int64), positions])
-        return ids[:, None], positions[:, None], cache_loc[:, None]
+        positions.copy_(prefix[:, None])
+        cache_loc.copy_(self._kv_slots(batch, positions))
+        return ids[:, None], positions, cache_loc
+
+    def _kv_slots(self, batch, positions):
+        """[bs, W] positions -> the KV slots the scheduler reserved for them (its req_to_token rows)."""
+        return self.req_to_token_pool.req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
 
     def _host_lens(self, batch, state, width):
         """Host-side upper bounds of the attended lengths (committed + width), for backends that plan on the host."""
