@@ -8,6 +8,7 @@
 #          the sampled verify's cost)                                                              -> /tmp/job/cost
 #   smol   driver, SmolLM2-135M-Instruct (staged at /tmp/smollm2 by gpu_stage.sh) + the shipped drafter:
 #          none / ours-fixed / builtin / ours, greedy, c = 1, 8, real prompts                       -> /tmp/job/smol
+#   smolprof  profile_step, SmolLM2 + the shipped drafter (host-bound target): PROF_METHODS at PROF_CONC   -> /tmp/job/smolprof
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
@@ -40,6 +41,11 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -m benchmarks.profile_step --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy \
         --methods "${PROF_METHODS:-ours-fixed,ours}" --concurrency "${PROF_CONC:-1,32}" \
         --steps "${PROF_STEPS:-20}" --warmup-s 10 --out $JOB/prof --wait-s 300 --common-args "$COMMON_8B" ;;
+    smolprof)
+      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      python3 -m benchmarks.profile_step --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
+        --methods "${PROF_METHODS:-none,ours-k0,ours-fixed}" --concurrency "${PROF_CONC:-1,8}" --vocab 49000 \
+        --steps "${PROF_STEPS:-40}" --warmup-s 8 --out $JOB/smolprof --wait-s 200 --common-args "$COMMON_SMOL" ;;
     smol)
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
       python3 -m benchmarks.driver --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
@@ -51,6 +57,6 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol prof 2>/dev/null) 2>/dev/null
+  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol smolprof prof 2>/dev/null) 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

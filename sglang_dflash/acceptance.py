@@ -39,7 +39,10 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[to
         return torch.ones_like(next_token), next_token[:, None]
     target_tokens = target_logits.argmax(dim=-1)  # [N, B]
     accepted = accepted_prefix_len(drafts == target_tokens[:, :-1])
-    return _assemble(drafts, accepted, target_tokens.gather(1, accepted[:, None])[:, 0])
+    # the accepted drafts ARE the target's tokens, so the committed ones are target_tokens[:, :accepted + 1]: one
+    # mask instead of assembling drafts + next token (7 launches fewer on the worker's host path)
+    col = torch.arange(target_tokens.shape[1], device=target_tokens.device)
+    return accepted + 1, target_tokens.masked_fill(col[None, :] > accepted[:, None], -1)
 
 
 def verify_sampled(drafts: torch.Tensor, target_probs: torch.Tensor,

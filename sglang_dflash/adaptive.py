@@ -299,15 +299,18 @@ class WidthPolicy:
         self._commit_rows = {k: 0 for k in widths}
 
     def decision(self, bs: int) -> int:
-        """The throughput-optimal k for batch size bs under the current statistics (no probing, no controls)."""
-        return best_width(self.stats.expected_commit(), {k: self.costs.cost(bs, k) for k in self.widths})
+        """The throughput-optimal k for batch size bs under the current statistics (no probing, no controls), among
+        the widths that have a step time. A width may have none for good: the controller does not time a width the
+        acceptance already rules out (and times it once the acceptance says it could pay)."""
+        return best_width(self.stats.expected_commit(),
+                          {k: self.costs.cost(bs, k) for k in self.widths if self.costs.has(k)})
 
     def choose(self, bs: int) -> int:
         """The k for the next step."""
         if self.pinned is not None:
             k = self.pinned
-        elif not self.adaptive or not self.costs.known():
-            k = self.top
+        elif not self.adaptive or not any(self.costs.has(k) for k in self.widths):
+            k = self.top  # nothing timed yet: the full block, as without the policy
         else:
             k = self.decision(bs)
             if k == self.top:  # verifying everything already: nothing to probe; a later drop starts afresh
@@ -326,6 +329,8 @@ class WidthPolicy:
 
     def _affordable_interval(self, bs: int, k: int) -> int:
         """The shortest probe interval whose probes add at most probe_budget to the step time of a k-step run."""
+        if not self.costs.has(self.top):
+            return self.probe_interval  # a probe's cost is unknown (probes are not timed: they follow another width)
         base = self.costs.cost(bs, k)
         return max(self.probe_every, math.ceil((self.costs.cost(bs, self.top) - base) / (self.probe_budget * base)))
 
@@ -343,7 +348,7 @@ class WidthPolicy:
         self._commit_rows[k] += int(c.size)
         if k == self.top and self._pending:  # a probe's feedback (or a full step's, when the decision rose meanwhile)
             before = self._pending.popleft()
-            if not self.costs.known() or self.decision(bs) > before:
+            if not any(self.costs.has(w) for w in self.widths) or self.decision(bs) > before:
                 self.probe_interval = self.probe_every
             else:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max_every)

@@ -310,6 +310,11 @@ def test_pinned_and_adaptive_off_and_unknown_costs():
     assert set(ks) == {15}
     unknown = WidthPolicy(B, WIDTHS, StepCostTable(WIDTHS))
     assert unknown.choose(1) == 15  # nothing measured yet: the full block, as without the policy
+    # only k = 0 timed (the controller never times a width the acceptance rules out): the decision is among the
+    # timed widths, not the full block (which pinned a useless drafter to k = 15 under frequent prefills)
+    partial = StepCostTable(WIDTHS)
+    partial.set(64, 0, 0.008)
+    assert WidthPolicy(B, WIDTHS, partial).choose(64) == 0
     with pytest.raises(ValueError, match="pinned k=5"):
         WidthPolicy(B, WIDTHS, h100_table(), pinned=5)
     with pytest.raises(ValueError, match=r"widths=\[0, 16\]"):

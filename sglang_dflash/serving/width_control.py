@@ -6,12 +6,20 @@ running per-position acceptance and a step-time table). This module feeds it wit
 - acceptance arrives through SGLang's ``on_verify_complete_cpu`` hook, which the scheduler calls with each decode
   step's per-request accepted-draft counts once its results are on the host anyway (one or two steps later under
   overlap); steps are matched to it in launch order (a FIFO of what each step verified);
-- step time is a pair of CUDA events around the step (read when that hook fires, so already complete), or wall
-  time on CPU where every op is synchronous;
+- step time is the step's cycle on the host: from its start to the next decode step's start, read with
+  ``time.perf_counter`` (no GPU event, no sync). The scheduler loop is periodic, so the cycle is what one step
+  costs whichever side bounds it: on a host-bound target (SmolLM2-135M: a plain step is ~1.5 ms of Python and
+  launches, a few hundred microseconds of GPU work) it is the scheduler's and the worker's host time, which GPU
+  events around the forward leave out (with them the policy kept speculating where plain decoding was faster:
+  benchmarks/results/smollm2-135m-h100-c1-c8); on a GPU-bound one the host waits for the GPU every iteration, so
+  it is the GPU time. A cycle is kept only where it belongs to one width: the step before it had the same k and
+  batch-size bucket (under overlap the host waits on the previous step's GPU work inside this cycle), and no
+  other forward (prefill, idle) ran inside it. Probes and the first step after a switch are therefore not timed;
+  a cycle over 4x the table's value (a GC pause, a stall) is clipped;
 - the step-time table starts empty: the first steps at each batch-size bucket try every width a few times
-  (exploration, the first try of each discarded as warm-up), then the table follows an EMA of what steps cost.
-  A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a useless
-  drafter, timing k = 15 at batch 128 costs ~5 plain steps per try, which a short run never earns back.
+  (exploration, the first timed try of each discarded as warm-up), then the table follows an EMA of what steps
+  cost. A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a
+  useless drafter, timing k = 15 at batch 128 costs ~5 plain steps per try, which a short run never earns back.
 
 Operator controls (environment, read once at startup):
   SGLANG_DFLASH_K=k           pin the verify width to k drafts (0 = plain decode steps that keep the drafter's
@@ -29,7 +37,7 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..adaptive import AcceptanceStats, StepCostTable, WidthPolicy, parse_widths
 
@@ -44,7 +52,7 @@ EXPLORE_STEPS = 3  # tries of each width per batch-size bucket before the table 
 # 10% margin covers timing noise.
 EXPLORE_MARGIN = 0.9
 USELESS_GAIN = 0.02  # E[commit | k] <= 1 + this: no width can pay (none costs less than a plain step), skip timing
-_EVENT_POOL = 512  # CUDA event pairs reused round-robin (far more than the steps in flight)
+OUTLIER = 4.0  # a cycle longer than this times the table's value is clipped to it (GC pause, a stall)
 
 
 def default_widths(block: int) -> list[int]:
@@ -100,22 +108,38 @@ def _k_value(name: str, text: str, block: int) -> int:
     return k
 
 
+@dataclass
+class _Step:
+    """One launched decode step until both halves of its feedback are in: its time and its acceptance."""
+
+    bs: int
+    k: int
+    started: float
+    follows: tuple[int, int] | None  # (k, bucket) of the decode step just before it, None if another forward ran
+    cycle: float | None = None  # from its start to the next decode step's start; None if a prefill ran inside
+    seconds: float | None = None  # its cost, when a cycle can be attributed to its width
+    closed: bool = False  # seconds are settled (possibly None)
+    accepted: list[int] | None = field(default=None, repr=False)  # accepted drafts per row, from the scheduler
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.k, _bucket(self.bs)
+
+
 class WidthController:
     """Chooses k per step and learns from finished steps; one per worker (one scheduler process)."""
 
-    def __init__(self, controls: WidthControls, block: int, device: str, enable_metrics: bool = False):
+    def __init__(self, controls: WidthControls, block: int, enable_metrics: bool = False):
         self.controls, self.block = controls, block
         self.policy = WidthPolicy(block, controls.ks, StepCostTable(controls.ks), AcceptanceStats(block),
                                   pinned=controls.pinned, adaptive=controls.adaptive)
-        self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> steps timed
-        self._pending: collections.deque = collections.deque()  # (bs, k, timer) per launched decode step
+        self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
+        self._pending: collections.deque = collections.deque()  # launched steps awaiting their acceptance
+        self._open: _Step | None = None  # the latest launched step: its cycle is still running
+        self._held: _Step | None = None  # a step between two of another width: its time needs the next cycle
+        self._interrupted = False  # a non-decode forward ran since the open step started
+        self._clock = time.perf_counter
         self._steps = 0
-        self._cuda = device != "cpu"
-        if self._cuda:
-            import torch
-
-            self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                            for _ in range(_EVENT_POOL)]
         self._last_log = time.monotonic()
         self._metric = _width_counter() if enable_metrics else None
 
@@ -148,49 +172,85 @@ class WidthController:
         return True
 
     # ------------------------------------------------------------------------------------- step feedback
-    def step_begin(self):
-        if not self._cuda:
-            return time.perf_counter()
-        start, end = self._events[self._steps % _EVENT_POOL]
-        start.record()
-        return start, end
-
-    def step_end(self, bs: int, k: int, timer) -> None:
-        if self._cuda:
-            timer[1].record()
-        else:
-            timer = (timer, time.perf_counter())
-        self._pending.append((bs, k, timer))
+    def step_begin(self, bs: int, k: int) -> None:
+        """A decode step with k drafts at batch size bs starts now; the one before it ends here (its cycle)."""
+        now = self._clock()
+        prev = self._open
+        if prev is not None:
+            prev.cycle = None if self._interrupted else now - prev.started
+            self._settle(prev)
+        follows = None if prev is None or self._interrupted else prev.key
+        self._interrupted = False
+        self._open = _Step(bs, k, now, follows)
+        self._pending.append(self._open)
         self._steps += 1
         if self._metric is not None:
             self._metric.labels(k=str(k)).inc()
 
+    def _settle(self, step: _Step) -> None:
+        """step's cycle just ended: decide what it cost, if its width can be told from its neighbours'.
+
+        - After a step of the same width: its cycle (under overlap the host waits on the previous step's GPU work
+          inside it, so both must be this width's).
+        - Between two steps of one other width w (a probe amid plain steps): the two cycles from its start hold its
+          work and one w step's, on either report order, so it cost their sum minus w's table time.
+        - Otherwise (a switch, or a prefill inside): not timed."""
+        held, self._held = self._held, None
+        if held is not None:
+            costs = self.policy.costs
+            if (step.cycle is not None and held.cycle is not None and step.follows == held.key
+                    and held.follows == step.key and costs.has(step.k)):
+                seconds = held.cycle + step.cycle - costs.cost(step.bs, step.k)
+                held.seconds = seconds if seconds > 0 else None
+            self._close(held)
+        if step.cycle is not None and step.follows is not None and step.follows != step.key:
+            self._held = step  # settled at the next cycle's end
+            return
+        if step.cycle is not None and step.follows == step.key:
+            step.seconds = step.cycle
+        self._close(step)
+
+    def _close(self, step: _Step) -> None:
+        step.closed = True
+        self._maybe_record(step)
+
+    def interrupt(self) -> None:
+        """A forward that is not a decode step (prefill, idle) ran: the open step's cycle is not its own."""
+        self._interrupted = True
+
     def on_verify_complete(self, num_correct_drafts: list[int], batch_size: int) -> None:
         """SGLang's host-side hook: the accepted-draft counts of the oldest unreported decode step."""
         while self._pending:
-            bs, k, timer = self._pending.popleft()
-            if bs == batch_size:
+            step = self._pending.popleft()
+            if step.bs == batch_size:
                 break
         else:
             return
-        seconds = self._seconds(timer)
-        bucket = _bucket(bs)
-        self._explored[bucket, k] += 1
-        if self._explored[bucket, k] == 1:
-            seconds = None  # warm-up: first use of a width at this size (allocator, autotuning, lazy init)
-        self.policy.record(bs, k, [n + 1 for n in num_correct_drafts], seconds)
+        step.accepted = list(num_correct_drafts)
+        self._maybe_record(step)
+
+    def _maybe_record(self, step: _Step) -> None:
+        if step.accepted is None or not step.closed:
+            return  # the other half comes later (non-overlap: the acceptance arrives before the cycle ends)
+        seconds, bucket, costs = step.seconds, _bucket(step.bs), self.policy.costs
+        if seconds is not None:
+            self._explored[bucket, step.k] += 1
+            if self._explored[bucket, step.k] == 1:
+                seconds = None  # warm-up: first timed use of a width at this size (allocator, autotuning, lazy init)
+            elif costs.has(step.k):
+                seconds = min(seconds, OUTLIER * costs.cost(step.bs, step.k))
+        self.policy.record(step.bs, step.k, [n + 1 for n in step.accepted], seconds)
         now = time.monotonic()
         if now - self._last_log >= self.controls.log_every_s:
             self._last_log = now
-            logger.info("sglang-dflash speculation: %s | %s", self.controls.describe(), self.policy.summary())
+            logger.info("sglang-dflash speculation: %s | %s | %s", self.controls.describe(), self.policy.summary(),
+                        self.cost_summary(step.bs))
 
-    def _seconds(self, timer) -> float | None:
-        start, end = timer
-        if not self._cuda:
-            return end - start
-        if not end.query():  # never expected (the results were copied after the step); skip rather than wait
-            return None
-        return start.elapsed_time(end) / 1e3
+    def cost_summary(self, bs: int) -> str:
+        """The step-time table at one batch size, in ms per width (what the decision compares)."""
+        costs = self.policy.costs
+        known = " ".join(f"{k}:{costs.cost(bs, k) * 1e3:.2f}" for k in costs.widths if costs.has(k))
+        return f"step ms at bs={bs} {{{known or '-'}}}"
 
 
 def _width_counter():

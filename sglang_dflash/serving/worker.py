@@ -94,7 +94,7 @@ class DFlashWorker(BaseSpecWorker):
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
-        self._control = WidthController(controls, B, str(self.device),
+        self._control = WidthController(controls, B,
                                         enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
 
         # per-step buffers, sized once (bs never exceeds max_running_requests)
@@ -174,8 +174,10 @@ class DFlashWorker(BaseSpecWorker):
         # grammar_barrier (overlap scheduling): advances the grammar matchers over the previous step's committed
         # tokens, so this step's masks start from the right state (controls.process calls it)
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            self._control.interrupt()  # the open decode step's cycle now holds a prefill: not its own cost
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_idle():
+            self._control.interrupt()
             return self._idle(on_publish)
         with _phase("dflash.step"):
             return self._decode_step(batch, on_publish, grammar_barrier)
@@ -215,7 +217,7 @@ class DFlashWorker(BaseSpecWorker):
         prefix = batch.seq_lens  # committed lengths; the bonus token sits at position prefix
         k = self._control.choose(bs)  # drafts to verify this step; W = k + 1 tokens per request
         W = k + 1
-        timer = self._control.step_begin()
+        self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
         # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1 (none when k = 0)
         if k > 0:
@@ -258,7 +260,6 @@ class DFlashWorker(BaseSpecWorker):
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); publish
         if on_publish is not None:
             on_publish(new_seq_lens)
-        self._control.step_end(bs, k, timer)
         return GenerationBatchResult(
             logits_output=self._controls.logprobs(batch, logits, tokens),  # None unless a request asked for logprobs
             next_token_ids=next_ids,
