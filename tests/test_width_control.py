@@ -71,6 +71,8 @@ def _run(ctl, bs: int, steps: int, accept_rate: float, rng, cost=None, overlap: 
         if prefill_every and i % prefill_every == prefill_every - 1:
             ctl.interrupt()
             ctl._clock.t += 0.05  # a long prefill: must never count as a decode step's time
+    if late is not None:
+        ctl.on_verify_complete(late, bs)  # the scheduler reports every step
     return ks
 
 
@@ -165,10 +167,9 @@ def test_host_bound_target_speculates_only_when_it_pays(rate, best, overlap):
 def test_cycles_holding_a_prefill_or_a_switch_are_not_timed():
     ctl = _controller()
     clock = ctl._clock
-    recorded = []
-    real_record = ctl.policy.record
-    ctl.policy.record = lambda bs, k, commit, seconds: (recorded.append((k, seconds)), real_record(bs, k, commit,
-                                                                                                     seconds))
+    recorded = []  # (k, seconds) of each step as its time is settled
+    real_close = ctl._close
+    ctl._close = lambda step: (recorded.append((step.k, step.seconds)), real_close(step))
     plan = [(0, 0.002, False), (0, 0.002, False), (0, 0.002, True), (0, 0.002, False), (0, 0.002, False),
             (15, 0.004, False), (15, 0.004, False), (0, 0.002, False), (0, 0.002, False)]
     for k, dt, prefill in plan:
@@ -180,11 +181,12 @@ def test_cycles_holding_a_prefill_or_a_switch_are_not_timed():
             clock.t += 0.05
     ctl.step_begin(1, 0)  # closes the last planned step
     timed = [s is not None for _, s in recorded]
-    # step 0: no predecessor; 1: timed (first timed use of k=0: warm-up, recorded as None); 2: holds a prefill;
-    # 3: its predecessor held it; 4: timed; 5: first k=15; 6: first timed k=15 (warm-up); 7: switch back; 8: timed
+    # step 0: no predecessor; 1: timed; 2: holds a prefill; 3: its predecessor held it; 4: timed; 5: first k=15
+    # (a switch); 6: timed; 7: switch back; 8: timed
     assert [k for k, _ in recorded] == [k for k, _, _ in plan]
-    assert timed == [False, False, False, False, True, False, False, False, True]
-    assert recorded[4][1] == pytest.approx(0.002) and recorded[8][1] == pytest.approx(0.002)
+    assert timed == [False, True, False, False, True, False, True, False, True]
+    assert [s for s in (recorded[i][1] for i in (1, 4, 8))] == pytest.approx([0.002] * 3)
+    assert recorded[6][1] == pytest.approx(0.004)
     assert ctl._explored[1, 0] == 3 and ctl._explored[1, 15] == 1
 
 
@@ -229,3 +231,27 @@ def test_probes_amid_plain_steps_are_timed(gpu_bound):
     assert probes >= 5 and ctl._explored[1, 15] - before >= probes - 1, probes  # each timed (the last may be open)
     assert abs(costs.cost(1, 15) - true) < 0.6 * (wrong - true), (costs.cost(1, 15), true, probes)
     assert costs.cost(1, 0) == pytest.approx(_cost(1, 0), rel=1e-6)
+
+
+def test_entry_seeded_by_a_stall_is_retimed():
+    """The H100 failure: the first k = 0 cycles after start-up were ~45x a plain step; the table said 75 ms for k = 0
+    and it was never chosen again. The exploration median ignores one such cycle, and an entry that is still wrong
+    is retimed after REFRESH_STEPS, even when the table says the width cannot win."""
+    rng = np.random.default_rng(6)
+    ctl = _controller()
+    stalls = iter([0.075] * 5)  # every k = 0 cycle of the first exploration stalls
+    cost = lambda bs, k: next(stalls, _host_bound_cost(bs, k)) if k == 0 else _host_bound_cost(bs, k)
+    ks = _run(ctl, 1, 200, 0.45, rng, cost=cost, overlap=True)
+    assert ctl.policy.costs.cost(1, 0) > 0.02 and ks[-50:].count(0) < 10  # poisoned: k = 0 looks 20x dearer
+    ks = _run(ctl, 1, width_control.REFRESH_STEPS + 600, 0.45, rng, cost=cost, overlap=True)
+    assert ctl.policy.costs.cost(1, 0) == pytest.approx(_host_bound_cost(1, 0), rel=0.05)
+    assert ks[-300:].count(0) > 270  # plain steps win at this acceptance, once the table knows what they cost
+
+
+def test_one_stalled_exploration_cycle_does_not_seed_the_table():
+    rng = np.random.default_rng(7)
+    ctl = _controller()
+    stalls = iter([0.0016, 0.0016, 0.075])  # the third k = 0 cycle (second timed try) stalls
+    cost = lambda bs, k: next(stalls, _host_bound_cost(bs, k)) if k == 0 else _host_bound_cost(bs, k)
+    _run(ctl, 1, 60, 0.45, rng, cost=cost, overlap=True)
+    assert ctl.policy.costs.cost(1, 0) == pytest.approx(_host_bound_cost(1, 0), rel=1e-6)

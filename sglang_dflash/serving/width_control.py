@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +46,14 @@ logger = logging.getLogger("sglang_dflash")
 
 ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = "SGLANG_DFLASH_K", "SGLANG_DFLASH_ADAPTIVE", "SGLANG_DFLASH_WIDTHS"
 ENV_SCHEDULE, ENV_LOG_EVERY = "SGLANG_DFLASH_K_SCHEDULE", "SGLANG_DFLASH_LOG_EVERY_S"
-EXPLORE_STEPS = 3  # tries of each width per batch-size bucket before the table is trusted; the first is warm-up
+# Timed tries of each width per batch-size bucket before the table is trusted: the first is warm-up, the table gets
+# the median of the others. The median because the first steps after a server starts or a width first runs at a
+# batch size can take many times their cost (first graph launches, lazy allocations): on an H100 an EMA seeded by
+# such a cycle put k = 0 at 75 ms against a 1.7 ms plain step, and k = 0 was never chosen again.
+EXPLORE_STEPS = 4
+# A width not timed at a bucket for this many steps is timed again (a short exploration run), so a table entry
+# that went wrong cannot keep its width unchosen for good. Widths the acceptance rules out are not retimed.
+REFRESH_STEPS = 2048
 # Exploration at a new bucket skips width k when its estimated rate (expected commit over the cost interpolated
 # from other buckets) is below this fraction of k = 0's. The cost of a wide step relative to a plain one grows with
 # the batch (the verify turns compute-bound), so the estimate from smaller buckets is optimistic for k > 0 and a
@@ -134,6 +142,9 @@ class WidthController:
         self.policy = WidthPolicy(block, controls.ks, StepCostTable(controls.ks), AcceptanceStats(block),
                                   pinned=controls.pinned, adaptive=controls.adaptive)
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
+        self._samples: dict = collections.defaultdict(list)  # (bucket, k) -> exploration times (for the median)
+        self._last_timed: dict = {}  # (bucket, k) -> step count when it was last timed
+        self._refreshing: set = set()  # (bucket, k) being retimed: explored whatever the table says of them
         self._pending: collections.deque = collections.deque()  # launched steps awaiting their acceptance
         self._open: _Step | None = None  # the latest launched step: its cycle is still running
         self._held: _Step | None = None  # a step between two of another width: its time needs the next cycle
@@ -152,7 +163,16 @@ class WidthController:
             return self.policy.choose(bs)
         bucket = _bucket(bs)
         for k in c.ks:  # explore: time every width that could win at this batch size before trusting the table
-            if self._explored[bucket, k] < EXPLORE_STEPS and self._worth_timing(bs, k):
+            if self._explored[bucket, k] < EXPLORE_STEPS and ((bucket, k) in self._refreshing
+                                                              or self._worth_timing(bs, k)):
+                return k
+        for k in c.ks:  # refresh: retime a width whose entry at this bucket is old (it may be what keeps it unchosen)
+            last = self._last_timed.get((bucket, k))
+            stale = last is not None and self._steps - last > REFRESH_STEPS
+            if stale and (k == 0 or self.policy.stats.expected_commit()[k] > 1.0 + USELESS_GAIN):
+                self._explored[bucket, k] = 1  # a new median from the next tries (the warm-up is not repeated)
+                self._samples[bucket, k].clear()
+                self._refreshing.add((bucket, k))
                 return k
         return self.policy.choose(bs)
 
@@ -234,9 +254,18 @@ class WidthController:
             return  # the other half comes later (non-overlap: the acceptance arrives before the cycle ends)
         seconds, bucket, costs = step.seconds, _bucket(step.bs), self.policy.costs
         if seconds is not None:
-            self._explored[bucket, step.k] += 1
-            if self._explored[bucket, step.k] == 1:
+            key = bucket, step.k
+            self._explored[key] += 1
+            self._last_timed[key] = self._steps
+            n = self._explored[key]
+            if n == 1:
                 seconds = None  # warm-up: first timed use of a width at this size (allocator, autotuning, lazy init)
+            elif n <= EXPLORE_STEPS:  # exploration: the table gets the median of the tries, once they are in
+                self._samples[key].append(seconds)
+                seconds = None
+                if n == EXPLORE_STEPS:
+                    costs.set(step.bs, step.k, float(statistics.median(self._samples[key])))
+                    self._refreshing.discard(key)
             elif costs.has(step.k):
                 seconds = min(seconds, OUTLIER * costs.cost(step.bs, step.k))
         self.policy.record(step.bs, step.k, [n + 1 for n in step.accepted], seconds)
