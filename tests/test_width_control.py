@@ -236,14 +236,14 @@ def test_probes_amid_plain_steps_are_timed(gpu_bound):
 def test_entry_seeded_by_a_stall_is_retimed():
     """The H100 failure: the first k = 0 cycles after start-up were ~45x a plain step; the table said 75 ms for k = 0
     and it was never chosen again. The exploration median ignores one such cycle, and an entry that is still wrong
-    is retimed after REFRESH_STEPS, even when the table says the width cannot win."""
+    is retimed (first after REFRESH_FIRST steps), even when the table says the width cannot win."""
     rng = np.random.default_rng(6)
     ctl = _controller()
     stalls = iter([0.075] * 5)  # every k = 0 cycle of the first exploration stalls
     cost = lambda bs, k: next(stalls, _host_bound_cost(bs, k)) if k == 0 else _host_bound_cost(bs, k)
-    ks = _run(ctl, 1, 200, 0.45, rng, cost=cost, overlap=True)
+    ks = _run(ctl, 1, 150, 0.45, rng, cost=cost, overlap=True)
     assert ctl.policy.costs.cost(1, 0) > 0.02 and ks[-50:].count(0) < 10  # poisoned: k = 0 looks 20x dearer
-    ks = _run(ctl, 1, width_control.REFRESH_STEPS + 600, 0.45, rng, cost=cost, overlap=True)
+    ks = _run(ctl, 1, width_control.REFRESH_FIRST + 400, 0.45, rng, cost=cost, overlap=True)
     assert ctl.policy.costs.cost(1, 0) == pytest.approx(_host_bound_cost(1, 0), rel=0.05)
     assert ks[-300:].count(0) > 270  # plain steps win at this acceptance, once the table knows what they cost
 

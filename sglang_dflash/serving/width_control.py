@@ -52,8 +52,10 @@ ENV_SCHEDULE, ENV_LOG_EVERY = "SGLANG_DFLASH_K_SCHEDULE", "SGLANG_DFLASH_LOG_EVE
 # such a cycle put k = 0 at 75 ms against a 1.7 ms plain step, and k = 0 was never chosen again.
 EXPLORE_STEPS = 4
 # A width not timed at a bucket for this many steps is timed again (a short exploration run), so a table entry
-# that went wrong cannot keep its width unchosen for good. Widths the acceptance rules out are not retimed.
-REFRESH_STEPS = 2048
+# that went wrong cannot keep its width unchosen for good; the first retime comes early (start-up is when entries
+# go wrong: twice on an H100 the first k = 0 tries after start took tens of ms), then the interval doubles.
+# Widths the acceptance rules out are not retimed.
+REFRESH_FIRST, REFRESH_STEPS = 256, 2048
 # Exploration at a new bucket skips width k when its estimated rate (expected commit over the cost interpolated
 # from other buckets) is below this fraction of k = 0's. The cost of a wide step relative to a plain one grows with
 # the batch (the verify turns compute-bound), so the estimate from smaller buckets is optimistic for k > 0 and a
@@ -144,6 +146,7 @@ class WidthController:
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
         self._samples: dict = collections.defaultdict(list)  # (bucket, k) -> exploration times (for the median)
         self._last_timed: dict = {}  # (bucket, k) -> step count when it was last timed
+        self._refresh_after: dict = {}  # (bucket, k) -> steps without a timing before it is retimed
         self._refreshing: set = set()  # (bucket, k) being retimed: explored whatever the table says of them
         self._pending: collections.deque = collections.deque()  # launched steps awaiting their acceptance
         self._open: _Step | None = None  # the latest launched step: its cycle is still running
@@ -168,8 +171,10 @@ class WidthController:
                 return k
         for k in c.ks:  # refresh: retime a width whose entry at this bucket is old (it may be what keeps it unchosen)
             last = self._last_timed.get((bucket, k))
-            stale = last is not None and self._steps - last > REFRESH_STEPS
+            after = self._refresh_after.get((bucket, k), REFRESH_FIRST)
+            stale = last is not None and self._steps - last > after
             if stale and (k == 0 or self.policy.stats.expected_commit()[k] > 1.0 + USELESS_GAIN):
+                self._refresh_after[bucket, k] = min(2 * after, REFRESH_STEPS)
                 self._explored[bucket, k] = 1  # a new median from the next tries (the warm-up is not repeated)
                 self._samples[bucket, k].clear()
                 self._refreshing.add((bucket, k))
