@@ -17,8 +17,9 @@ running per-position acceptance and a step-time table). This module feeds it wit
   other forward (prefill, idle) ran inside it. Probes and the first step after a switch are therefore not timed;
   a cycle over 4x the table's value (a GC pause, a stall) is clipped;
 - the step-time table starts empty: the first steps at each batch-size bucket try every width a few times
-  (exploration, the first timed try of each discarded as warm-up), then the table follows an EMA of what steps
-  cost. A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a
+  (exploration: the first timed try of each is warm-up, the table gets the median of the others), then it follows
+  an EMA of what steps cost; an entry not timed for a while is timed again (a width the table prices wrongly is
+  never chosen, so it would never be corrected otherwise). A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a
   useless drafter, timing k = 15 at batch 128 costs ~5 plain steps per try, which a short run never earns back.
 
 Operator controls (environment, read once at startup):
