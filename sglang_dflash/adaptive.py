@@ -298,18 +298,22 @@ class WidthPolicy:
         self._commit_sum = {k: 0 for k in widths}
         self._commit_rows = {k: 0 for k in widths}
 
+    def timed(self) -> list[int]:
+        """The widths with a step time (at some batch size): the ones a decision compares."""
+        return [k for k in self.widths if self.costs.has(k)]
+
     def decision(self, bs: int) -> int:
         """The throughput-optimal k for batch size bs under the current statistics (no probing, no controls), among
         the widths that have a step time. A width may have none for good: the controller does not time a width the
         acceptance already rules out (and times it once the acceptance says it could pay)."""
         return best_width(self.stats.expected_commit(),
-                          {k: self.costs.cost(bs, k) for k in self.widths if self.costs.has(k)})
+                          {k: self.costs.cost(bs, k) for k in self.timed()})
 
     def choose(self, bs: int) -> int:
         """The k for the next step."""
         if self.pinned is not None:
             k = self.pinned
-        elif not self.adaptive or not any(self.costs.has(k) for k in self.widths):
+        elif not self.adaptive or not self.timed():
             k = self.top  # nothing timed yet: the full block, as without the policy
         else:
             k = self.decision(bs)
@@ -348,7 +352,7 @@ class WidthPolicy:
         self._commit_rows[k] += int(c.size)
         if k == self.top and self._pending:  # a probe's feedback (or a full step's, when the decision rose meanwhile)
             before = self._pending.popleft()
-            if not any(self.costs.has(w) for w in self.widths) or self.decision(bs) > before:
+            if not self.timed() or self.decision(bs) > before:
                 self.probe_interval = self.probe_every
             else:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max_every)

@@ -19,8 +19,9 @@ running per-position acceptance and a step-time table). This module feeds it wit
 - the step-time table starts empty: the first steps at each batch-size bucket try every width a few times
   (exploration: the first timed try of each is warm-up, the table gets the median of the others), then it follows
   an EMA of what steps cost; an entry not timed for a while is timed again (a width the table prices wrongly is
-  never chosen, so it would never be corrected otherwise). A width the current estimates already rule out is not explored at a new bucket (`_worth_timing`): with a
-  useless drafter, timing k = 15 at batch 128 costs ~5 plain steps per try, which a short run never earns back.
+  never chosen, so it would never be corrected otherwise). A width the current estimates already rule out is not
+  explored at a new bucket (`_worth_timing`): with a useless drafter, timing k = 15 at batch 128 costs ~5 plain
+  steps per try, which a short run never earns back.
 
 Operator controls (environment, read once at startup):
   SGLANG_DFLASH_K=k           pin the verify width to k drafts (0 = plain decode steps that keep the drafter's
@@ -174,7 +175,7 @@ class WidthController:
             last = self._last_timed.get((bucket, k))
             after = self._refresh_after.get((bucket, k), REFRESH_FIRST)
             stale = last is not None and self._steps - last > after
-            if stale and (k == 0 or self.policy.stats.expected_commit()[k] > 1.0 + USELESS_GAIN):
+            if stale and self._could_pay(k):
                 self._refresh_after[bucket, k] = min(2 * after, REFRESH_STEPS)
                 self._explored[bucket, k] = 1  # a new median from the next tries (the warm-up is not repeated)
                 self._samples[bucket, k].clear()
@@ -189,13 +190,17 @@ class WidthController:
         below k = 0's is not worth several expensive tries (a probe still revisits it if the drafter improves)."""
         if k == 0:
             return True
-        expected = self.policy.stats.expected_commit()
-        if expected[k] <= 1.0 + USELESS_GAIN:
+        if not self._could_pay(k):
             return False
-        costs = self.policy.costs
+        expected, costs = self.policy.stats.expected_commit(), self.policy.costs
         if costs.has(k) and costs.has(0):
             return expected[k] / costs.cost(bs, k) >= EXPLORE_MARGIN * expected[0] / costs.cost(bs, 0)
         return True
+
+    def _could_pay(self, k: int) -> bool:
+        """k = 0 is the reference; a wider step never costs less than a plain one, so it can pay only if it commits
+        more than one token per step on average."""
+        return k == 0 or self.policy.stats.expected_commit()[k] > 1.0 + USELESS_GAIN
 
     # ------------------------------------------------------------------------------------- step feedback
     def step_begin(self, bs: int, k: int) -> None:
