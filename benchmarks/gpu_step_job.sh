@@ -8,6 +8,8 @@
 #          the sampled verify's cost)                                                              -> /tmp/job/cost
 #   smol   driver, SmolLM2-135M-Instruct (staged at /tmp/smollm2 by gpu_stage.sh) + the shipped drafter:
 #          none / ours-fixed / builtin / ours, greedy, c = 1, 8, real prompts                       -> /tmp/job/smol
+#   smol32 the same for none / ours in float32: bf16 near-ties flip greedy argmaxes between a 1-token decode and a
+#          W-token verify, so the greedy cross-check is exact only in float32 (SMOL_DATASETS, c = 8)  -> /tmp/job/smol32
 #   smolprof  profile_step, SmolLM2 + the shipped drafter (host-bound target): PROF_METHODS at PROF_CONC   -> /tmp/job/smolprof
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
@@ -51,12 +53,18 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -m benchmarks.driver --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
         --methods "${SMOL_METHODS:-none,ours-fixed,builtin,ours}" --out $JOB/smol --wait-s 200 \
         --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter, H100" -- \
-        --datasets humaneval,mtbench,gsm --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 \
-        --min-convs 16 --warmup 2 --no-progress
+        --datasets "${SMOL_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${SMOL_CONC:-1,8}" \
+        --max-new-tokens 192 --rounds 1 --min-convs "${SMOL_CONVS:-16}" --warmup 2 --no-progress
       python3 -m benchmarks.report $JOB/smol --title "SmolLM2-135M-Instruct + shipped drafter, H100" ;;
+    smol32)
+      python3 -m benchmarks.driver --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
+        --methods none,ours --out $JOB/smol32 --wait-s 200 --common-args "${COMMON_SMOL/bfloat16/float32}" \
+        --title "SmolLM2-135M-Instruct + shipped drafter, float32, H100" -- \
+        --datasets "${SMOL_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency 8 \
+        --max-new-tokens 192 --rounds 1 --min-convs "${SMOL_CONVS:-16}" --warmup 2 --no-progress ;;
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol smolprof prof 2>/dev/null) 2>/dev/null
+  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol smol32 smolprof prof 2>/dev/null) 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"
