@@ -8,8 +8,9 @@
 #          the sampled verify's cost)                                                              -> /tmp/job/cost
 #   smol   driver, SmolLM2-135M-Instruct (staged at /tmp/smollm2 by gpu_stage.sh) + the shipped drafter:
 #          none / ours-fixed / builtin / ours, greedy, c = 1, 8, real prompts                       -> /tmp/job/smol
-#   smol32 the same for none / ours in float32: bf16 near-ties flip greedy argmaxes between a 1-token decode and a
-#          W-token verify, so the greedy cross-check is exact only in float32 (SMOL_DATASETS, c = 8)  -> /tmp/job/smol32
+#   trace  what each width's steps really cost, with the per-step trace of our servers (SGLANG_DFLASH_STEP_TRACE,
+#          benchmarks/step_trace.py): Qwen3-8B shape none / ours-k0 / ours at c = 1, 8, 32 -> /tmp/job/trace8b;
+#          SmolLM2 none / ours-k0 / ours / builtin, humaneval + gsm at c = 1, 8            -> /tmp/job/tracesmol
 #   smolprof  profile_step, SmolLM2 + the shipped drafter (host-bound target): PROF_METHODS at PROF_CONC   -> /tmp/job/smolprof
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
@@ -56,15 +57,22 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         --datasets "${SMOL_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${SMOL_CONC:-1,8}" \
         --max-new-tokens 192 --rounds 1 --min-convs "${SMOL_CONVS:-16}" --warmup 2 --no-progress
       python3 -m benchmarks.report $JOB/smol --title "SmolLM2-135M-Instruct + shipped drafter, H100" ;;
-    smol32)
-      python3 -m benchmarks.driver --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
-        --methods none,ours --out $JOB/smol32 --wait-s 200 --common-args "${COMMON_SMOL/bfloat16/float32}" \
-        --title "SmolLM2-135M-Instruct + shipped drafter, float32, H100" -- \
-        --datasets "${SMOL_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency 8 \
-        --max-new-tokens 192 --rounds 1 --min-convs "${SMOL_CONVS:-16}" --warmup 2 --no-progress ;;
+    trace)
+      mkdir -p $JOB/trace8b $JOB/tracesmol
+      SGLANG_DFLASH_STEP_TRACE=$JOB/trace8b/trace-{pid}.jsonl OUT= RUN=$JOB/trace8b SHAPE=qwen3-8b \
+        METHODS=${TRACE_8B_METHODS:-none,ours-k0,ours} TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=900 \
+        COMMON_ARGS="$COMMON_8B" bash benchmarks/gpu_cost_run.sh
+      for f in $JOB/trace8b/trace-*.jsonl; do python3 -m benchmarks.step_trace "$f" --json "${f%.jsonl}.summary.json"; done
+      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      SGLANG_DFLASH_STEP_TRACE=$JOB/tracesmol/trace-{pid}.jsonl python3 -m benchmarks.driver --target /tmp/smollm2 \
+        --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 --methods ${TRACE_SMOL_METHODS:-none,ours-k0,ours,builtin} \
+        --out $JOB/tracesmol --wait-s 200 --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct, step trace, H100" -- \
+        --datasets humaneval,gsm --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 --min-convs 16 \
+        --warmup 2 --no-progress
+      for f in $JOB/tracesmol/trace-*.jsonl; do python3 -m benchmarks.step_trace "$f" --json "${f%.jsonl}.summary.json"; done ;;
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol smol32 smolprof prof 2>/dev/null) 2>/dev/null
+  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof 2>/dev/null) 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

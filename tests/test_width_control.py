@@ -32,8 +32,8 @@ class FakeClock:
         return self.t
 
 
-def _controller(monkeypatch=None) -> WidthController:
-    controls = WidthControls.from_env(BLOCK, env={})
+def _controller(monkeypatch=None, trace_path=None) -> WidthController:
+    controls = WidthControls.from_env(BLOCK, env={width_control.ENV_TRACE: trace_path} if trace_path else {})
     assert controls.adaptive and controls.ks == [0, 3, 7, 15]
     ctl = WidthController(controls, BLOCK)
     ctl._clock = FakeClock()  # cycle times from the cost model instead of the wall clock
@@ -255,3 +255,22 @@ def test_one_stalled_exploration_cycle_does_not_seed_the_table():
     cost = lambda bs, k: next(stalls, _host_bound_cost(bs, k)) if k == 0 else _host_bound_cost(bs, k)
     _run(ctl, 1, 60, 0.45, rng, cost=cost, overlap=True)
     assert ctl.policy.costs.cost(1, 0) == pytest.approx(_host_bound_cost(1, 0), rel=1e-6)
+
+
+def test_step_trace_records_every_reported_step(tmp_path):
+    """SGLANG_DFLASH_STEP_TRACE: one JSON line per step whose feedback is in, with what the table was charged."""
+    import json
+
+    path = tmp_path / "trace.jsonl"
+    ctl = _controller(trace_path=str(path))
+    rng = np.random.default_rng(0)
+    _run(ctl, 2, 40, 0.5, rng, overlap=True, prefill_every=10)
+    ctl.step_begin(2, 0)  # closes the last step
+    ctl._trace.flush()
+    head, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert head["controls"].startswith("adaptive") and len(rows) == 40 and {r["bs"] for r in rows} == {2}
+    timed = [r for r in rows if r["timed_ms"] is not None]
+    assert timed and all(r["cycle_ms"] is not None for r in timed)
+    # a step whose cycle held a prefill is never timed
+    assert all(r["timed_ms"] is None for r in rows if r["cycle_ms"] is None)
+    assert all(r["commit"] >= 1 for r in rows)

@@ -31,11 +31,15 @@ Operator controls (environment, read once at startup):
                               0, 3, 7 and B-1, those below B-1 only if they fit)
   SGLANG_DFLASH_K_SCHEDULE=15,0,3  tests: cycle through these k values step after step (forces switches)
   SGLANG_DFLASH_LOG_EVERY_S=30  period of the policy's summary line in the server log
+  SGLANG_DFLASH_STEP_TRACE=FILE  diagnostics: one JSON line per decode step (k, batch size, its cycle, the time
+                              it was charged, the worker's own host time, its commit lengths), for
+                              benchmarks/step_trace.py; "{pid}" in FILE becomes the scheduler's process id
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import statistics
@@ -48,6 +52,7 @@ logger = logging.getLogger("sglang_dflash")
 
 ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = "SGLANG_DFLASH_K", "SGLANG_DFLASH_ADAPTIVE", "SGLANG_DFLASH_WIDTHS"
 ENV_SCHEDULE, ENV_LOG_EVERY = "SGLANG_DFLASH_K_SCHEDULE", "SGLANG_DFLASH_LOG_EVERY_S"
+ENV_TRACE = "SGLANG_DFLASH_STEP_TRACE"
 # Timed tries of each width per batch-size bucket before the table is trusted: the first is warm-up, the table gets
 # the median of the others. The median because the first steps after a server starts or a width first runs at a
 # batch size can take many times their cost (first graph launches, lazy allocations): on an H100 an EMA seeded by
@@ -82,6 +87,7 @@ class WidthControls:
     adaptive: bool
     schedule: list[int] | None
     log_every_s: float
+    trace_path: str | None = None
 
     @classmethod
     def from_env(cls, block: int, env=os.environ) -> "WidthControls":
@@ -100,7 +106,7 @@ class WidthControls:
         elif not adaptive:
             ks = [block - 1]
         return cls(ks=ks, pinned=pinned, adaptive=adaptive, schedule=schedule,
-                   log_every_s=float(env.get(ENV_LOG_EVERY, "30")))
+                   log_every_s=float(env.get(ENV_LOG_EVERY, "30")), trace_path=env.get(ENV_TRACE) or None)
 
     def describe(self) -> str:
         if self.schedule:
@@ -129,6 +135,7 @@ class _Step:
     started: float
     follows: tuple[int, int] | None  # (k, bucket) of the decode step just before it, None if another forward ran
     cycle: float | None = None  # from its start to the next decode step's start; None if a prefill ran inside
+    host: float | None = None  # the worker's own host time (step_begin to step_end), for the trace
     seconds: float | None = None  # its cost, when a cycle can be attributed to its width
     closed: bool = False  # seconds are settled (possibly None)
     accepted: list[int] | None = field(default=None, repr=False)  # accepted drafts per row, from the scheduler
@@ -158,6 +165,10 @@ class WidthController:
         self._steps = 0
         self._last_log = time.monotonic()
         self._metric = _width_counter() if enable_metrics else None
+        self._trace = (open(controls.trace_path.replace("{pid}", str(os.getpid())), "a", buffering=1 << 16)
+                       if controls.trace_path else None)
+        if self._trace is not None:
+            self._trace.write(json.dumps({"controls": controls.describe(), "block": block}) + "\n")
 
     # ---------------------------------------------------------------------------------------------- choose
     def choose(self, bs: int) -> int:
@@ -217,6 +228,11 @@ class WidthController:
         self._steps += 1
         if self._metric is not None:
             self._metric.labels(k=str(k)).inc()
+
+    def step_end(self) -> None:
+        """The worker has launched the open step's work (diagnostics only: the trace's host time)."""
+        if self._trace is not None and self._open is not None:
+            self._open.host = self._clock() - self._open.started
 
     def _settle(self, step: _Step) -> None:
         """step's cycle just ended: decide what it cost, if its width can be told from its neighbours'.
@@ -280,11 +296,24 @@ class WidthController:
             elif costs.has(step.k):
                 seconds = min(seconds, OUTLIER * costs.cost(step.bs, step.k))
         self.policy.record(step.bs, step.k, [n + 1 for n in step.accepted], seconds)
+        if self._trace is not None:
+            self._write_trace(step, seconds)
         now = time.monotonic()
         if now - self._last_log >= self.controls.log_every_s:
             self._last_log = now
+            if self._trace is not None:
+                self._trace.flush()
             logger.info("sglang-dflash speculation: %s | %s | %s", self.controls.describe(), self.policy.summary(),
                         self.cost_summary(step.bs))
+
+    def _write_trace(self, step: _Step, charged: float | None) -> None:
+        ms = lambda x: None if x is None else round(x * 1e3, 4)  # noqa: E731
+        costs = self.policy.costs
+        self._trace.write(json.dumps({
+            "t": round(step.started, 6), "bs": step.bs, "k": step.k, "follows": step.follows, "cycle_ms": ms(step.cycle),
+            "timed_ms": ms(step.seconds), "charged_ms": ms(charged), "host_ms": ms(step.host),
+            "table_ms": ms(costs.cost(step.bs, step.k)) if costs.has(step.k) else None,
+            "commit": sum(step.accepted) / len(step.accepted) + 1 if step.accepted else None}) + "\n")
 
     def cost_summary(self, bs: int) -> str:
         """The step-time table at one batch size, in ms per width (what the decision compares)."""

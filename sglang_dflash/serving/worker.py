@@ -260,6 +260,7 @@ class DFlashWorker(BaseSpecWorker):
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); publish
         if on_publish is not None:
             on_publish(new_seq_lens)
+        self._control.step_end()
         return GenerationBatchResult(
             logits_output=self._controls.logprobs(batch, logits, tokens),  # None unless a request asked for logprobs
             next_token_ids=next_ids,

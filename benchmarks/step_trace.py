@@ -1,0 +1,67 @@
+"""Summarise a decode-step trace (SGLANG_DFLASH_STEP_TRACE=FILE on our server): what each width's steps cost.
+
+    python -m benchmarks.step_trace trace.jsonl [--json out.json]
+
+Per (k, batch-size bucket): steps, median cycle of every step with one (no prefill inside), median of the cycles the
+width controller attributed to the width (timed), the worker's own host time, and the table's last value. The
+difference between "all cycles" and "timed" shows what the attribution rules leave out; the difference between the
+table and the plain server's TPOT shows whether the policy prices k = 0 right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+
+import orjson
+
+
+def _bucket(bs: int) -> int:
+    return 1 << max(bs - 1, 0).bit_length()
+
+
+def _median(xs):
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    groups = collections.defaultdict(list)
+    for r in rows:
+        groups[r["k"], _bucket(r["bs"])].append(r)
+    out = []
+    for (k, bucket), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        after_same = [r["cycle_ms"] for r in rs if r["cycle_ms"] is not None and r["follows"] == [k, bucket]]
+        out.append({
+            "k": k, "bucket": bucket, "steps": len(rs),
+            "cycle_ms_all": _median([r["cycle_ms"] for r in rs if r["cycle_ms"] is not None]),
+            "cycle_ms_after_same_k": _median(after_same),
+            "timed_ms": _median([r["timed_ms"] for r in rs if r["timed_ms"] is not None]),
+            "host_ms": _median([r["host_ms"] for r in rs if r["host_ms"] is not None]),
+            "table_ms_last": rs[-1]["table_ms"],
+            "commit_mean": round(statistics.fmean(r["commit"] for r in rs if r["commit"] is not None), 3),
+        })
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--json", help="write the summary here too")
+    args = ap.parse_args(argv)
+    with open(args.trace, "rb") as f:
+        rows = [orjson.loads(line) for line in f if line.strip()]
+    for head in (r for r in rows if "controls" in r):
+        print(f"# {head['controls']}")
+    table = summarise([r for r in rows if "k" in r])
+    cols = list(table[0]) if table else []
+    print(" | ".join(cols))
+    for t in table:
+        print(" | ".join(str(t[c]) for c in cols))
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(orjson.dumps(table, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()
