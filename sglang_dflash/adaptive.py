@@ -184,7 +184,11 @@ class StepCostTable:
             ys.insert(i, float(seconds))
 
     def observe(self, bs: int, k: int, seconds: float, weight: float = 0.1) -> None:
-        """Online refinement: move the (bs, k) point toward the observation (creates the point if absent)."""
+        """Online refinement: move the (bs, k) point toward the observation. An absent point starts from the
+        width's interpolated cost and takes the same EMA step: one slow cycle at a batch size never seen before (a
+        first graph replay there, a stall) must not become that size's price. On an H100 it did: one such cycle put
+        k = 0 at 10.9 ms at batch 8, where its steps took 7.3 ms, and k = 0 was not chosen there again. The first
+        point of a width is the observation itself (there is nothing to interpolate)."""
         self._check(bs, k, seconds)
         if not 0.0 < weight <= 1.0:
             raise ValueError(f"weight={weight}: the EMA step must lie in (0, 1]")
@@ -193,8 +197,9 @@ class StepCostTable:
         if i < len(xs) and xs[i] == bs:
             ys[i] += weight * (float(seconds) - ys[i])
         else:
+            start = self.cost(bs, k) if xs else float(seconds)
             xs.insert(i, bs)
-            ys.insert(i, float(seconds))
+            ys.insert(i, start + weight * (float(seconds) - start) if xs[1:] else float(seconds))
 
     def cost(self, bs: int, k: int) -> float:
         self._check(bs, k)
@@ -222,17 +227,23 @@ class StepCostTable:
 
 # ------------------------------------------------------------------------------------------------ the decision
 def best_width(expected_commit: Sequence[float], costs: dict[int, float]) -> int:
-    """THE decision, a pure function: argmax over k in costs of expected_commit[k] / costs[k] (tokens per second per
-    request; the batch throughput is bs times that, so bs enters only through the costs). Ties -> the smaller k."""
+    """THE decision, a pure function: argmax over k in costs of expected_commit[k] / cost(k) (tokens per second per
+    request; the batch throughput is bs times that, so bs enters only through the costs). Ties -> the smaller k.
+
+    cost(k) is the running maximum of costs over the widths up to k: a step that verifies more tokens does all the
+    work of one that verifies fewer, so a table pricing k below a narrower width is measurement noise, and taking
+    it at its word would pick a useless width over plain steps (on an H100 a mispriced k = 0 had k = 3, committing
+    1.0 tokens per step, chosen for 400 steps)."""
     if not costs:
         raise ValueError("costs is empty: give the step time of at least one width")
-    best_k, best_rate = -1, -math.inf
+    best_k, best_rate, envelope = -1, -math.inf, 0.0
     for k in sorted(costs):
         if not 0 <= k < len(expected_commit):
             raise ValueError(f"k={k} outside 0..{len(expected_commit) - 1} covered by expected_commit")
         if not costs[k] > 0:
             raise ValueError(f"costs[{k}]={costs[k]}: a step time must be > 0")
-        rate = expected_commit[k] / costs[k]
+        envelope = max(envelope, costs[k])
+        rate = expected_commit[k] / envelope
         if rate > best_rate:  # strict: on a tie the smaller k (cheaper, fewer wasted target FLOPs) stays
             best_k, best_rate = k, rate
     return best_k

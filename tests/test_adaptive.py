@@ -193,8 +193,11 @@ def test_cost_table_interpolates_extrapolates_and_refines():
     assert t.cost(128, 0) == pytest.approx(3.9)
     t.observe(8, 0, 3.4)  # EMA toward the observation with weight 0.1
     assert t.cost(8, 0) == pytest.approx(2.4 + 0.1 * 1.0)
-    t.observe(16, 7, 5.0, weight=0.5)  # absent point: created as observed
-    assert t.cost(16, 7) == 5.0 and t.cost(8, 7) == pytest.approx(3.0 + 7 / 15 * 2.0)
+    t.observe(16, 7, 5.0, weight=0.5)  # absent point: starts from the interpolated cost (3.0), one EMA step
+    assert t.cost(16, 7) == pytest.approx(4.0) and t.cost(8, 7) == pytest.approx(3.0 + 7 / 15 * 1.0)
+    fresh = StepCostTable([0])
+    fresh.observe(2, 0, 7.0)  # a width's first point is the observation itself
+    assert fresh.cost(2, 0) == 7.0
     with pytest.raises(KeyError, match="k=3"):
         t.cost(1, 3)
     with pytest.raises(ValueError, match="seconds=0"):
@@ -327,8 +330,10 @@ def test_record_refines_costs_and_summary_reports_the_state():
     policy = WidthPolicy(B, WIDTHS, h100_table())
     k = policy.choose(4)
     assert k == 7  # the prior (a = 0.5 everywhere) says 7 drafts at bs 4 on this table
+    before = policy.costs.cost(4, 7)
     policy.record(4, k, [3, 1, 2, 8], 0.5)
-    assert policy.costs.cost(4, 7) == 0.5  # a new point at bs 4, created from the observation
+    # a new point at bs 4: the interpolated cost, one EMA step toward the (slow) observation
+    assert policy.costs.cost(4, 7) == pytest.approx(before + 0.1 * (0.5 - before))
     line = policy.summary()
     assert "k histogram {0:0 3:0 7:1 15:0}" in line and "mean commit per k {7:3.50}" in line
     assert "a_1..a_4 0.70 " in line  # 3 of 4 rows accepted d_1 + the prior's half row: 3.5 / 5
