@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
-
-import orjson
 
 
 def _bucket(bs: int) -> int:
@@ -49,8 +48,8 @@ def main(argv=None) -> None:
     ap.add_argument("trace")
     ap.add_argument("--json", help="write the summary here too")
     args = ap.parse_args(argv)
-    with open(args.trace, "rb") as f:
-        rows = [orjson.loads(line) for line in f if line.strip()]
+    with open(args.trace) as f:  # stdlib json: the GPU machine's interpreter has no orjson
+        rows = [json.loads(line) for line in f if line.strip()]
     for head in (r for r in rows if "controls" in r):
         print(f"# {head['controls']}")
     table = summarise([r for r in rows if "k" in r])
@@ -59,8 +58,8 @@ def main(argv=None) -> None:
     for t in table:
         print(" | ".join(str(t[c]) for c in cols))
     if args.json:
-        with open(args.json, "wb") as f:
-            f.write(orjson.dumps(table, option=orjson.OPT_INDENT_2))
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=2)
 
 
 if __name__ == "__main__":

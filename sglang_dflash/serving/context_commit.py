@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-_phase = torch.profiler.record_function
+from .profiling import phase as _phase
 
 
 class ContextCommitInVerify:

@@ -34,13 +34,12 @@ from ..sampling import SamplingTensors, processed_probs
 from . import compat
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
+from .profiling import phase as _phase
 from .startup import load_draft_config
 from .verify_widths import VerifyWidths
 from .width_control import WidthControls, WidthController
 
 logger = logging.getLogger("sglang_dflash")
-# Named ranges for torch.profiler traces (SGLang's /start_profile); near-free when no profiler is running.
-_phase = torch.profiler.record_function
 
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
