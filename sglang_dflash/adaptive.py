@@ -197,9 +197,12 @@ class StepCostTable:
         if i < len(xs) and xs[i] == bs:
             ys[i] += weight * (float(seconds) - ys[i])
         else:
-            start = self.cost(bs, k) if xs else float(seconds)
+            value = float(seconds)
+            if xs:
+                start = self.cost(bs, k)
+                value = start + weight * (value - start)
             xs.insert(i, bs)
-            ys.insert(i, start + weight * (float(seconds) - start) if xs[1:] else float(seconds))
+            ys.insert(i, value)
 
     def cost(self, bs: int, k: int) -> float:
         self._check(bs, k)
