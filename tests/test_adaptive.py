@@ -370,3 +370,13 @@ def test_parse_widths():
         parse_widths("", 16)
     with pytest.raises(ValueError, match=r"\[-1\] outside"):
         parse_widths("-1,15", 16)
+
+
+def test_best_width_never_trusts_a_wide_step_priced_below_a_narrow_one():
+    """The H100 case (benchmarks/results/adaptive-trace-h100): k = 0 mispriced at 10.9 ms, k = 3 at 9.2 ms, and a
+    useless drafter (E[commit] = 1 at every k). A k = 3 step does all of a k = 0 step's work, so it cannot be
+    cheaper: the decision stays at k = 0. With acceptance that pays, the wider width still wins."""
+    useless = [1.0] * 16
+    assert best_width(useless, {0: 10.9e-3, 3: 9.2e-3, 7: 9.6e-3, 15: 10.7e-3}) == 0
+    paying = [1.0, 1.9, 2.5, 2.9] + [3.0] * 12
+    assert best_width(paying, {0: 10.9e-3, 3: 9.2e-3}) == 3
