@@ -15,9 +15,7 @@ import collections
 import json
 import statistics
 
-
-def _bucket(bs: int) -> int:
-    return 1 << max(bs - 1, 0).bit_length()
+from sglang_dflash.serving.width_control import size_bucket
 
 
 def _median(xs):
@@ -27,7 +25,7 @@ def _median(xs):
 def summarise(rows: list[dict]) -> list[dict]:
     groups = collections.defaultdict(list)
     for r in rows:
-        groups[r["k"], _bucket(r["bs"])].append(r)
+        groups[r["k"], size_bucket(r["bs"])].append(r)
     out = []
     for (k, bucket), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         after_same = [r["cycle_ms"] for r in rs if r["cycle_ms"] is not None and r["follows"] == [k, bucket]]

@@ -76,7 +76,7 @@ def default_widths(block: int) -> list[int]:
     return sorted({k for k in (0, 3, 7) if k < block - 1} | {block - 1})
 
 
-def _bucket(bs: int) -> int:
+def size_bucket(bs: int) -> int:
     return 1 << max(bs - 1, 0).bit_length()  # 1, 2, 4, 8, ...: steps of similar batch size share exploration
 
 
@@ -142,7 +142,7 @@ class _Step:
 
     @property
     def key(self) -> tuple[int, int]:
-        return self.k, _bucket(self.bs)
+        return self.k, size_bucket(self.bs)
 
 
 class WidthController:
@@ -177,7 +177,7 @@ class WidthController:
             return c.schedule[self._steps % len(c.schedule)]
         if c.pinned is not None or not c.adaptive or len(c.ks) == 1:
             return self.policy.choose(bs)
-        bucket = _bucket(bs)
+        bucket = size_bucket(bs)
         for k in c.ks:  # explore: time every width that could win at this batch size before trusting the table
             if self._explored[bucket, k] < EXPLORE_STEPS and ((bucket, k) in self._refreshing
                                                               or self._worth_timing(bs, k)):
@@ -279,7 +279,7 @@ class WidthController:
     def _maybe_record(self, step: _Step) -> None:
         if step.accepted is None or not step.closed:
             return  # the other half comes later (non-overlap: the acceptance arrives before the cycle ends)
-        seconds, bucket, costs = step.seconds, _bucket(step.bs), self.policy.costs
+        seconds, bucket, costs = step.seconds, size_bucket(step.bs), self.policy.costs
         if seconds is not None:
             key = bucket, step.k
             self._explored[key] += 1
