@@ -98,12 +98,18 @@ class AcceptanceStats:
         self._accepted = np.zeros(block_size - 1)
         self._observed = np.zeros(block_size - 1)
         self._expected: np.ndarray | None = None  # cache of expected_commit(), dropped on update
+        self._stale_settled = True  # every position's weight at or below the stale floor (a k = 0 step is a no-op)
         self.rows_seen = 0
 
     def update(self, commit_lens, k: int) -> None:
         """Feed the rows of one step verified with k drafts. commit_lens: 1-D ints in 1..k+1."""
         if not 0 <= k < self.block_size:
             raise ValueError(f"k={k}: drafts per step must be in 0..{self.block_size - 1}")
+        if k == 0 and self._stale_settled:
+            # a plain step observes nothing, and every weight already sits at the stale floor: nothing changes but
+            # the row count (the steady state of a k = 0 phase; numpy's per-call cost is host time on every step)
+            self.rows_seen += len(commit_lens)
+            return
         c = np.asarray(commit_lens, dtype=np.int64).reshape(-1)
         if c.size == 0:
             return
@@ -131,6 +137,7 @@ class AcceptanceStats:
         self._accepted = self._accepted * decay + accepted * share
         self._observed = self._observed * decay + observed * share
         self._expected = None
+        self._stale_settled = bool((self._observed <= self._floor).all())
 
     def acceptance(self) -> np.ndarray:
         """[B-1] a_1..a_{B-1}."""

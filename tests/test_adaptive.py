@@ -161,6 +161,23 @@ def test_unobserved_positions_keep_their_estimate_with_less_weight():
     assert stats.acceptance()[0] > 0.14
 
 
+def test_plain_step_shortcut_changes_nothing_the_full_update_would_not():
+    """A k = 0 step skips numpy once every weight sits at the stale floor; its estimates must stay those of the
+    full update, through phases that leave the floor (probes) and return to it."""
+    fast, full = AcceptanceStats(B), AcceptanceStats(B)
+    rng = np.random.default_rng(0)
+    shortcuts = 0
+    for step in range(3000):
+        k = 15 if step % 1000 < 30 else (3 if step % 1000 == 500 else 0)  # probes, then long plain phases
+        lens = rng.integers(1, k + 2, size=int(rng.integers(1, 9))) if k else np.ones(int(rng.integers(1, 9)), int)
+        shortcuts += k == 0 and fast._stale_settled
+        fast.update(lens, k)
+        full._stale_settled = False  # the twin always takes the full path
+        full.update(lens, k)
+        assert np.array_equal(fast.acceptance(), full.acceptance()), step
+    assert fast.rows_seen == full.rows_seen and fast._stale_settled
+    assert shortcuts > 1000  # the shortcut did engage, between phases that left the floor
+
 def test_update_rejects_commit_lengths_impossible_for_k():
     stats = AcceptanceStats(B)
     with pytest.raises(ValueError, match=r"k=3"):
