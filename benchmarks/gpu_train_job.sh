@@ -12,7 +12,7 @@
 #   setsid nohup bash benchmarks/gpu_train_job.sh smollm2 .carry/prompts.pt /tmp/job_smollm2 > /dev/null 2>&1 &
 # Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
 # fraction, 0.6), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
-# earlier data.pt: skip generation), EXTRA_DATA (more data.pt files to train on, joined with it), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_CONC (1,8), BENCH_TOKENS (192),
+# earlier data.pt: skip generation), EXTRA_DATA (more data.pt files to train on, joined with it), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_SETS (humaneval,mtbench,gsm), BENCH_CONC (1,8), BENCH_TOKENS (192),
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
 # server phase waits for, up to 10 min).
 set -u
@@ -57,7 +57,7 @@ if ! skip server && [ -f "$drafter/config.json" ]; then
   python3 -m benchmarks.driver --target "/tmp/$target" --draft "$drafter" --methods none,ours \
     --common-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
       --mem-fraction-static 0.5 --cuda-graph-max-bs-decode 32 --max-running-requests 32" \
-    --out "$out/server" -- --datasets humaneval,mtbench,gsm --temperatures 0 --concurrency "${BENCH_CONC:-1,8}" \
+    --out "$out/server" -- --datasets "${BENCH_SETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${BENCH_CONC:-1,8}" \
     --max-new-tokens "${BENCH_TOKENS:-192}" --rounds 2 --min-convs 16 > "$out/server.log" 2>&1
   log "server bench exit $?"
 fi
