@@ -171,7 +171,7 @@ def package_code_tasks(n: int, seed: int = 0, packages=CODE_PACKAGES) -> list[Pr
 def code_package_versions(packages=CODE_PACKAGES) -> dict[str, str]:
     from importlib import metadata
 
-    names = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml"}
+    names = {"PIL": "pillow", "sklearn": "scikit-learn"}  # import name -> distribution name, where they differ
     out = {}
     for pkg in packages:
         if importlib.util.find_spec(pkg) is not None:
