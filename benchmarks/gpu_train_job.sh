@@ -11,7 +11,7 @@
 # (python -m sglang_dflash.train prepare). Start:
 #   setsid nohup bash benchmarks/gpu_train_job.sh smollm2 .carry/prompts.pt /tmp/job_smollm2 > /dev/null 2>&1 &
 # Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
-# fraction, 0.6), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
+# fraction, 0.6), GEN_GROUP (prompts per /generate request, 32), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
 # earlier data.pt: skip generation), EXTRA_DATA (more data.pt files to train on, joined with it), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_SETS (humaneval,mtbench,gsm), BENCH_CONC (1,8), BENCH_TOKENS (192),
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
 # server phase waits for, up to 10 min).
@@ -31,7 +31,8 @@ data=${DATA:-$out/data.pt}
 if ! skip data && [ -z "${DATA:-}" ]; then
   # greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
   python3 -m sglang_dflash.train generate "${T[@]}" --out "$data" --passes greedy,sampled \
-    --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --gen-budget-s "${GEN_BUDGET_S:-200}" --quiet \
+    --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
+    --gen-budget-s "${GEN_BUDGET_S:-200}" --quiet \
     --server-args="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-prefill-cuda-graph --mem-fraction-static ${GEN_MEM:-0.6} --cuda-graph-max-bs-decode 512 --max-running-requests 512" \
     > "$out/generate.log" 2>&1
   log "generate exit $?"

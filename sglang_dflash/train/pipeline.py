@@ -87,7 +87,7 @@ def prepare(args) -> None:
     target = real_target(args.target)
     tok = target.load_tokenizer(args.hf_dir)
     train = train_prompts(args.n_sharegpt, args.n_gsm, args.n_code, seed=args.seed,
-                          n_package_code=args.n_package_code)
+                          n_package_code=args.n_package_code, n_sharegpt_later=args.n_sharegpt_later)
     ids, sources = [], []
     for p in train:
         x = target.chat_ids(tok, p.text)
@@ -180,7 +180,8 @@ def generate_via_sglang(args, prompts, sources, stop_ids, vocab, work_dir: Path,
     def gen(url: str) -> TokenStore:
         data = generate_with_server(url, prompts, args.max_new_tokens, stop_ids, vocab, args.sample_fraction,
                                     args.seed, sources, args.concurrency, progress=not args.quiet,
-                                    time_budget_s=args.gen_budget_s or None, sample=sample)
+                                    time_budget_s=args.gen_budget_s or None, sample=sample,
+                                    group=args.request_group)
         if sample is not None:
             data.meta["passes"] = args.passes
         return data
@@ -389,7 +390,9 @@ def main(argv=None) -> None:
     q = sub.add_parser("prepare", help="tokenize training and held-out prompts (CPU)")
     common(q)
     q.add_argument("--out", required=True)
-    q.add_argument("--n-sharegpt", type=int, default=6000)
+    q.add_argument("--n-sharegpt", type=int, default=6000, help="first human turns of ShareGPT conversations")
+    q.add_argument("--n-sharegpt-later", type=int, default=0,
+                   help="later human turns of the same conversations, each a prompt of its own (more chat data)")
     q.add_argument("--n-gsm", type=int, default=3000)
     q.add_argument("--n-code", type=int, default=2500, help="tasks from the standard library's docstrings")
     q.add_argument("--n-package-code", type=int, default=0,
@@ -408,7 +411,10 @@ def main(argv=None) -> None:
                        "replaces --sample-fraction), e.g. greedy and T=1 responses of each prompt (sglang only)")
         q.add_argument("--server-url", help="generate with this running SGLang server (e.g. http://127.0.0.1:30000) "
                        "instead of launching one on the target")
-        q.add_argument("--concurrency", type=int, default=256, help="requests in flight to the SGLang server")
+        q.add_argument("--concurrency", type=int, default=256, help="prompts in flight to the SGLang server")
+        q.add_argument("--request-group", type=int, default=1,
+                       help="prompts per /generate request: on a small target, groups of 16-32 let the server prefill "
+                            "them together instead of one at a time as others finish")
         q.add_argument("--server-args", default="", help="extra launch_server arguments for a launched server")
         q.add_argument("--server-startup-s", type=float, default=900, help="how long to wait for it to be healthy")
         q.add_argument("--quiet", action="store_true")

@@ -2,8 +2,8 @@
 
 One plain SGLang server on a tiny float32 Qwen3 target, launched exactly as the training pipeline launches its
 generation server (launch_generation_server: --skip-tokenizer-init, token ids in and out). Checked:
-- greedy: every stored sequence is prompt + the target's own greedy continuation computed in float32 by the
-  reference engine (target-only decoding), with prompt_lens right, the stop token kept as the last token, responses
+- greedy, one prompt per request and in batch requests of 4: every stored sequence is prompt + the target's own
+  greedy continuation computed in float32 by the reference engine (target-only decoding), with prompt_lens right, the stop token kept as the last token, responses
   that hit max_new_tokens exactly that long. One stop id is a token the target really emits mid-way (found from an
   unstopped greedy run), so stopping is exercised; an offset between prompt and response, a dropped or extra
   token, a trimmed stop token or a wrong order fails the comparison;
@@ -93,14 +93,17 @@ def setup(tmp_path_factory):
         server.stop()
 
 
-def test_greedy_equals_target_only_decoding(setup):
+@pytest.mark.parametrize("group", [1, 4])
+def test_greedy_equals_target_only_decoding(setup, group):
+    """group 4: the prompts go as batch requests (4 and 2 prompts), and each answer must land on its own prompt."""
     s = setup
     prompts, stop_ids = s["prompts"], s["stop_ids"]
     ref = _reference(s["model"], prompts, stop_ids, MAX_NEW)
     sources = [f"src{i}" for i in range(len(prompts))]
     store = generate_with_server(s["server"].url, prompts, MAX_NEW, stop_ids, s["vocab"], sample_fraction=0.0,
-                                 sources=sources, concurrency=3, progress=False)
+                                 sources=sources, concurrency=3, progress=False, group=group)
     assert len(store) == len(prompts) and store.meta["skipped_prompts"] == 0 and store.meta["failed_prompts"] == 0
+    assert store.meta["request_group"] == group
     assert store.meta["generator"] == "sglang" and store.meta["sampled_prompts"] == 0
     assert store.sources == sources
     assert store.prompt_lens.tolist() == [len(p) for p in prompts]
@@ -154,3 +157,7 @@ def test_time_budget_and_errors(setup):
     assert len(store) == 0 and store.meta["skipped_prompts"] == len(s["prompts"])
     with pytest.raises(RuntimeError, match="every /generate request"):
         generate_with_server("http://127.0.0.1:9", s["prompts"][:2], 4, s["stop_ids"], s["vocab"], progress=False)
+    # a failed batch request leaves out every prompt of its group, counted as failed
+    with pytest.raises(RuntimeError, match=r"every /generate request.*prompts 0\.\.1"):
+        generate_with_server("http://127.0.0.1:9", s["prompts"][:3], 4, s["stop_ids"], s["vocab"], progress=False,
+                             group=2)
