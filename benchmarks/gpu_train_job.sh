@@ -13,6 +13,8 @@
 # Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
 # fraction, 0.6), GEN_GROUP (prompts per /generate request, 32), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
 # earlier data.pt: skip generation), EXTRA_DATA (more data.pt files to train on, joined with it), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_SETS (humaneval,mtbench,gsm), BENCH_CONC (1,8), BENCH_TOKENS (192),
+# DRAFTER (the drafter the tau and server phases measure: $out/train/drafter, or e.g. a shipped one with
+# SKIP=data,train), BENCH_METHODS (none,ours; builtin and ours-fixed too for a side-by-side run),
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
 # server phase waits for, up to 10 min).
 set -u
@@ -44,7 +46,7 @@ if ! skip train; then
   log "train exit $?"
 fi
 
-drafter=$out/train/drafter
+drafter=${DRAFTER:-$out/train/drafter}
 if ! skip tau && [ -f "$drafter/config.json" ]; then
   python3 -m sglang_dflash.train eval "${T[@]}" --drafter "$drafter" --device cuda --dtype float32 \
     --n-eval "${N_EVAL:-32}" --eval-new-tokens "${EVAL_NEW:-128}" --temperatures ${EVAL_TEMPS:-0 1} --eval-batch 32 --out "$out/tau.json" \
@@ -55,7 +57,7 @@ fi
 if ! skip server && [ -f "$drafter/config.json" ]; then
   # a speed measurement needs the GPU to itself: wait (bounded) for another job sharing the machine to finish
   for _ in $(seq 1 120); do [ -z "${WAIT_FOR:-}" ] || [ -f "$WAIT_FOR" ] && break; sleep 5; done
-  python3 -m benchmarks.driver --target "/tmp/$target" --draft "$drafter" --methods none,ours \
+  python3 -m benchmarks.driver --target "/tmp/$target" --draft "$drafter" --methods "${BENCH_METHODS:-none,ours}" \
     --common-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
       --mem-fraction-static 0.5 --cuda-graph-max-bs-decode 32 --max-running-requests 32" \
     --out "$out/server" -- --datasets "${BENCH_SETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${BENCH_CONC:-1,8}" \
