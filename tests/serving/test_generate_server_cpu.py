@@ -3,8 +3,8 @@
 One plain SGLang server on a tiny float32 Qwen3 target, launched exactly as the training pipeline launches its
 generation server (launch_generation_server: --skip-tokenizer-init, token ids in and out). Checked:
 - greedy, one prompt per request and in batch requests of 4: every stored sequence is prompt + the target's own
-  greedy continuation computed in float32 by the reference engine (target-only decoding), with prompt_lens right, the stop token kept as the last token, responses
-  that hit max_new_tokens exactly that long. One stop id is a token the target really emits mid-way (found from an
+  greedy continuation computed in float32 by the reference engine (target-only decoding), with prompt_lens right,
+  the stop token kept as the last token, responses that hit max_new_tokens exactly that long. One stop id is a token the target really emits mid-way (found from an
   unstopped greedy run), so stopping is exercised; an offset between prompt and response, a dropped or extra
   token, a trimmed stop token or a wrong order fails the comparison;
 - sample_fraction=1: every prompt is sampled at T=1 (the outputs differ from greedy: temperature really reached
