@@ -11,7 +11,9 @@
 # (python -m sglang_dflash.train prepare). Start:
 #   setsid nohup bash benchmarks/gpu_train_job.sh smollm2 .carry/prompts.pt /tmp/job_smollm2 > /dev/null 2>&1 &
 # Knobs (environment): LAYERS (2), BATCH (16), GEN_BUDGET_S (200), GEN_MEM (the generation server's memory
-# fraction, 0.6), GEN_GROUP (prompts per /generate request, 32), MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_ARGS (extra), DATA (an
+# fraction, 0.6), GEN_GROUP (prompts per /generate request, 32), GEN_ARGS (extra, e.g. --skip-answered OLD.pt),
+# MAX_NEW (256), TRAIN_S (the training run's whole budget, 420), TRAIN_END (train until this epoch second instead),
+# TRAIN_ARGS (extra), DATA (an
 # earlier data.pt: skip generation), EXTRA_DATA (more data.pt files to train on, joined with it), N_EVAL (32), EVAL_NEW (128), EVAL_TEMPS ("0 1"), BENCH_SETS (humaneval,mtbench,gsm), BENCH_CONC (1,8), BENCH_TOKENS (192),
 # DRAFTER (the drafter the tau and server phases measure: $out/train/drafter, or e.g. a shipped one with
 # SKIP=data,train), BENCH_METHODS (none,ours; builtin and ours-fixed too for a side-by-side run),
@@ -34,13 +36,15 @@ if ! skip data && [ -z "${DATA:-}" ]; then
   # greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
   python3 -m sglang_dflash.train generate "${T[@]}" --out "$data" --passes greedy,sampled \
     --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
-    --gen-budget-s "${GEN_BUDGET_S:-200}" --quiet \
+    --gen-budget-s "${GEN_BUDGET_S:-200}" --quiet ${GEN_ARGS:-} \
     --server-args="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-prefill-cuda-graph --mem-fraction-static ${GEN_MEM:-0.6} --cuda-graph-max-bs-decode 512 --max-running-requests 512" \
     > "$out/generate.log" 2>&1
   log "generate exit $?"
 fi
 
 if ! skip train; then
+  # TRAIN_END (epoch seconds): train until then, whatever generation took (a loan ends at a fixed time)
+  [ -n "${TRAIN_END:-}" ] && TRAIN_S=$((TRAIN_END - $(date +%s)))
   python3 -m sglang_dflash.train run "${T[@]}" --data "$data" ${EXTRA_DATA:-} --out "$out/train" --layers "${LAYERS:-2}" \
     --steps 1000000 --batch-size "${BATCH:-16}" --deadline-s "${TRAIN_S:-420}" --reserve-s 30 --n-eval-run 0 --quiet ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
   log "train exit $?"

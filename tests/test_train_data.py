@@ -73,3 +73,16 @@ def test_init_drafter_warm_starts_from_a_saved_drafter(tmp_path):
     with pytest.raises(SystemExit, match="another shape"):
         main([*common, "--out", str(tmp_path / "bad"), "--steps", "0", "--layers", "3",
               "--init-drafter", str(first / "drafter")])
+
+
+def test_skip_answered_leaves_out_exactly_the_prompts_an_earlier_generation_answered(tmp_path):
+    from sglang_dflash.train.pipeline import without_answered
+
+    prompts = [[5, 6], [7], [5, 6, 8], [9, 9], [7, 1]]
+    sources = ["a", "b", "c", "d", "e"]
+    # an earlier generation answered prompts 0 and 3 (prompt + response); [7, 1] only starts like prompt 1's sequence
+    done = TokenStore.from_lists([[5, 6, 40, 41], [9, 9, 42], [7, 1, 43]], [2, 2, 1], ["a", "d", "b"],
+                                 vocab_size=64)
+    done.save(tmp_path / "done.pt")
+    assert without_answered(prompts, sources, [str(tmp_path / "done.pt")]) == (
+        [[5, 6, 8], [7, 1]], ["c", "e"])

@@ -124,9 +124,24 @@ def training_prompts(args) -> tuple[list[list[int]], list[str] | None, dict[str,
         raise SystemExit("--prompts is required for a real target. Fix: write it with "
                          "`python -m sglang_dflash.train prepare --out prompts.pt` first")
     store, eval_sets = load_prompts(args.prompts)
-    n = min(len(store), args.max_train_prompts or len(store))
-    return ([store.tokens(i).tolist() for i in range(n)], store.sources[:n],
-            {k: v[: args.n_eval] for k, v in eval_sets.items()})
+    prompts, sources = [store.tokens(i).tolist() for i in range(len(store))], list(store.sources)
+    if getattr(args, "skip_answered", None):
+        prompts, sources = without_answered(prompts, sources, args.skip_answered)
+    n = min(len(prompts), args.max_train_prompts or len(prompts))
+    return prompts[:n], sources[:n], {k: v[: args.n_eval] for k, v in eval_sets.items()}
+
+
+def without_answered(prompts: list[list[int]], sources: list[str], data_files: list[str]):
+    """The prompts (and their sources) that no sequence of these data.pt files answers: a new generation continues
+    where earlier ones stopped (their time budgets leave most prompts unanswered) instead of repeating them."""
+    answered = set()
+    for f in data_files:
+        d = TokenStore.load(f)
+        answered.update(tuple(d.tokens(i)[: int(d.prompt_lens[i])].tolist()) for i in range(len(d)))
+    keep = [i for i, p in enumerate(prompts) if tuple(p) not in answered]
+    print(f"--skip-answered: {len(prompts) - len(keep)} of {len(prompts)} prompts already answered in "
+          f"{len(data_files)} file(s), {len(keep)} left", flush=True)
+    return [prompts[i] for i in keep], [sources[i] for i in keep]
 
 
 def resolve_generator(args) -> str:
@@ -402,6 +417,9 @@ def main(argv=None) -> None:
     def generation(q):
         q.add_argument("--prompts", help="file written by `prepare` (not needed with --tiny)")
         q.add_argument("--max-train-prompts", type=int, default=0, help="the first N prompts (0: all)")
+        q.add_argument("--skip-answered", nargs="+", metavar="DATA",
+                       help="data.pt files of earlier generations: their prompts are left out, so this one answers "
+                            "new prompts only")
         q.add_argument("--max-new-tokens", type=int, default=256)
         q.add_argument("--sample-fraction", type=float, default=0.25,
                        help="this fraction of the prompts (chosen by --seed) is answered by sampling at T=1")
