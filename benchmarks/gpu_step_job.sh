@@ -12,6 +12,9 @@
 #          benchmarks/step_trace.py): Qwen3-8B shape none / ours-k0 / ours at c = 1, 8, 32 -> /tmp/job/trace8b;
 #          SmolLM2 none / ours-k0 / ours / builtin, humaneval + gsm at c = 1, 8            -> /tmp/job/tracesmol
 #   smolprof  profile_step, SmolLM2 + the shipped drafter (host-bound target): PROF_METHODS at PROF_CONC   -> /tmp/job/smolprof
+#   kerneltests  the GPU cases of tests/test_step_kernels.py and tests/test_kernels.py (pytest from the wheels in
+#          $WHEELS (/tmp/wheels; the starting call copies .carry/wheels there: the device stack has no pytest)
+#                                                                                          -> /tmp/job/kerneltests
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
@@ -38,6 +41,12 @@ run_8b() {  # METHODS TEMPERATURES: gpu_cost_run.sh into $JOB/cost (its report c
 for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   echo "=== $phase $(date -u +%T)"
   case $phase in
+    kerneltests)
+      mkdir -p $JOB/kerneltests /tmp/pytest_site
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pytest_site "${WHEELS:-/tmp/wheels}"/*.whl
+      PYTHONPATH=/tmp/pytest_site:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_step_kernels.py \
+        tests/test_kernels.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
+      echo "kernel tests exit $?" >> $JOB/kerneltests/pytest.log ;;
     cost) run_8b "${COST_METHODS:-none,ours,builtin}" 0 ;;
     fixed) run_8b ours-fixed 0,1 ;;  # T = 1 at the same acceptance (~1) as greedy: the sampled verify's cost
     prof)
@@ -73,6 +82,6 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof 2>/dev/null) 2>/dev/null
+  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests 2>/dev/null) 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

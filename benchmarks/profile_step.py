@@ -143,6 +143,18 @@ def summarise_trace(path: Path, steps: int) -> dict:
         if e["name"] in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                          "cudaLaunchKernelExC"):
             launches[e["name"]] += 1
+    # CUDA graphs by size: GPU work items per replay (matched by correlation id) and the host time of its launch,
+    # which grows with the graph (under the profiler much more than without it)
+    graph_launch = {e["args"]["correlation"]: e for e in runtime
+                    if e["name"] == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
+    nodes = defaultdict(int)
+    for e in gpu:
+        c = e.get("args", {}).get("correlation")
+        if c in graph_launch:
+            nodes[c] += 1
+    graphs = defaultdict(list)
+    for c, n in nodes.items():
+        graphs[n].append(graph_launch[c]["dur"])
 
     # dflash.* phases on CPU and GPU; and host time per step by annotated range: SGLang's scheduler loop
     # (scheduler.*), its forward (step[...]) and our worker (dflash.*), a range nested in another counting in both
@@ -168,6 +180,9 @@ def summarise_trace(path: Path, steps: int) -> dict:
         "idle_gaps_over_50us": {"count": sum(g > 50 for g in gaps), "total_ms": sum(g for g in gaps if g > 50) / 1e3,
                                 "largest_ms": sorted((round(g / 1e3, 3) for g in gaps), reverse=True)[:8]},
         "launches_per_step": {k: v / steps for k, v in launches.items()},
+        "eager_launches_per_step": sum(v for k, v in launches.items() if k != "cudaGraphLaunch") / steps,
+        "graphs": [{"nodes": n, "replays": len(d), "launch_host_ms_mean": sum(d) / len(d) / 1e3}
+                   for n, d in sorted(graphs.items())],
         "top_kernels": [{"name": n, "count": c, "total_ms": t / 1e3, "ms_per_step": t / 1e3 / steps}
                         for n, (c, t) in top],
         "syncs": sorted(({"where": k, "count": v["count"], "total_ms": v["total_us"] / 1e3}
@@ -182,15 +197,17 @@ def summarise_trace(path: Path, steps: int) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| method | wall ms/step | GPU busy ms/step | busy % | idle gaps > 50 us (ms total) | graph launches/step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | wall ms/step | GPU busy ms/step | busy % | idle gaps > 50 us (ms total) | graph launches/step "
+             "| eager launches/step | graphs: GPU nodes (host ms per launch) |", "|---|---|---|---|---|---|---|---|"]
     for m, r in results.items():
         if "wall_ms_per_step" not in r:
-            lines.append(f"| {m} | {r.get('error') or r.get('skipped')} | | | | |")
+            lines.append(f"| {m} | {r.get('error') or r.get('skipped')} | | | | | | |")
             continue
         lines.append(f"| {m} | {r['wall_ms_per_step']:.2f} | {r['gpu_busy_ms_per_step']:.2f} | "
                      f"{100 * r['gpu_busy_fraction']:.0f} | {r['idle_gaps_over_50us']['total_ms']:.1f} | "
-                     f"{r['launches_per_step'].get('cudaGraphLaunch', 0):.1f} |")
+                     f"{r['launches_per_step'].get('cudaGraphLaunch', 0):.1f} | {r.get('eager_launches_per_step', 0):.1f} | "
+                     + ", ".join(f"{g['nodes']} ({g['launch_host_ms_mean']:.2f})" for g in r.get("graphs", [])
+                                 if g["replays"] >= r["steps"] // 2) + " |")
     for m, r in results.items():
         if "top_kernels" not in r:
             continue

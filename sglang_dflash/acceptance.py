@@ -37,7 +37,11 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[to
     if drafts.shape[1] == 0:  # a plain decode step (adaptive k = 0): the argmax, one token; 2 launches, not 12
         next_token = target_logits[:, 0].argmax(dim=-1)
         return torch.ones_like(next_token), next_token[:, None]
-    target_tokens = target_logits.argmax(dim=-1)  # [N, B]
+    return verify_greedy_ids(drafts, target_logits.argmax(dim=-1))
+
+
+def verify_greedy_ids(drafts: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_greedy`` given the target's argmax ids [N, B] (all it reads from the logits)."""
     accepted = accepted_prefix_len(drafts == target_tokens[:, :-1])
     # the accepted drafts ARE the target's tokens, so the committed ones are target_tokens[:, :accepted + 1]: one
     # mask instead of assembling drafts + next token (7 launches fewer on the worker's host path)

@@ -10,6 +10,7 @@ worker owns one model step:
              verify  one target pass over [bonus, d_1..d_k], hidden capture  -> logits [bs, k+1, V]
              process penalties, min_new_tokens, grammar, logit_bias per row   (controls.py; exact per position)
              accept  acceptance.verify_greedy / verify_sampled(_logits)       -> commit_lens, tokens
+                     (greedy: rule + the step's outputs in one launch on the GPU, kernels/greedy_accept.py)
              commit  write context K/V of the k+1 verified rows, INSIDE the verify forward (context_commit.py:
                      captured in the verify CUDA graphs, no launches of its own); rows past commit_len are
                      rewritten by the next step's block, which starts at the new length; publish new lengths
@@ -27,9 +28,13 @@ buffer allocated once for max_running_requests, and the only host-side values ar
 from __future__ import annotations
 
 import logging
+import os
+
 import torch
 
-from ..acceptance import verify_greedy, verify_sampled, verify_sampled_logits
+from ..acceptance import verify_sampled, verify_sampled_logits
+from ..kernels.block_inputs import block_inputs_torch
+from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch
 from ..sampling import SamplingTensors, processed_probs
 from . import compat
 from .context_commit import ContextCommitInVerify
@@ -40,6 +45,12 @@ from .verify_widths import VerifyWidths
 from .width_control import WidthControls, WidthController
 
 logger = logging.getLogger("sglang_dflash")
+
+# The greedy draft head (lm_head + argmax) runs inside the draft CUDA graph for captured batches of at most this many
+# draft rows (bs x (B-1)); larger batches keep it eager, where it computes only the k rows a step verifies (at large
+# batch the head is compute, not launches). SGLANG_DFLASH_GRAPH_HEAD=0 keeps it eager always (for comparison).
+GRAPH_HEAD_MAX_ROWS = 1024
+GRAPH_HEAD_ENV = "SGLANG_DFLASH_GRAPH_HEAD"
 
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
@@ -99,7 +110,6 @@ class DFlashWorker(BaseSpecWorker):
         # per-step buffers, sized once (bs never exceeds max_running_requests)
         cap = max(int(server_args.max_running_requests or 48), 1)
         dev = self.device
-        self._offsets = torch.arange(B, dtype=torch.int64, device=dev)
         self._block_ids = torch.full((cap, B), self.cfg.mask_token_id, dtype=torch.int64, device=dev)
         self._positions = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._cache_loc = torch.empty((cap, B), dtype=torch.int64, device=dev)
@@ -107,6 +117,16 @@ class DFlashWorker(BaseSpecWorker):
         self._plain_positions = torch.empty((cap, 1), dtype=torch.int64, device=dev)  # k = 0 steps
         self._plain_cache_loc = torch.empty((cap, 1), dtype=torch.int64, device=dev)
         self._ones32 = torch.ones((cap,), dtype=torch.int32, device=dev)  # a k = 0 step commits one token per row
+        self._graph_drafts = torch.empty((cap, B - 1), dtype=torch.int64, device=dev)  # the draft graphs' head output
+        self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
+        # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
+        # their torch twins on CPU
+        self._fill_block_inputs, self._greedy_accept = block_inputs_torch, greedy_accept_torch
+        if self.device != "cpu":
+            from ..kernels.block_inputs import block_inputs
+            from ..kernels.greedy_accept import greedy_accept
+
+            self._fill_block_inputs, self._greedy_accept = block_inputs, greedy_accept
         # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
         self._draft_spec_info = DFlashVerifyInput(
             draft_token=torch.empty(0, dtype=torch.int64, device=dev),
@@ -147,8 +167,13 @@ class DFlashWorker(BaseSpecWorker):
         from sglang.srt.model_executor.cuda_graph_config import Backend
 
         enabled = graph_cfg is not None and graph_cfg.decode.backend != Backend.DISABLED and self.device != "cpu"
+        hooks = getattr(self.draft_runner, "capture_tail_hooks", None)
+        head_in_graph = enabled and hooks is not None and os.environ.get(GRAPH_HEAD_ENV, "1") != "0"
+        if head_in_graph:
+            hooks.append(self._capture_draft_head)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=enabled)
-        logger.info("sglang-dflash: draft CUDA graphs %s", "captured" if enabled else "off")
+        logger.info("sglang-dflash: draft CUDA graphs %s; greedy draft head %s", "captured" if enabled else "off",
+                    f"inside them for batch sizes {sorted(self._graph_head_bs)}" if self._graph_head_bs else "eager")
         if enabled:
             self._widths.capture()
             logger.info("sglang-dflash: extra target verify graphs for widths %s: %.2f GB", self._widths.widths,
@@ -157,6 +182,19 @@ class DFlashWorker(BaseSpecWorker):
             raise RuntimeError("the target's verify CUDA graphs were captured without the DFLASH context commit "
                                "(the target's forward was not called through model.forward). Fix: run with "
                                "--disable-cuda-graph and report the target model class")
+
+    def _capture_draft_head(self, runner, out, forward_batch, num_tokens):
+        """A capture tail hook of the draft runner: the greedy draft head (the target's lm_head + argmax over block
+        positions 1..B-1) recorded into the draft CUDA graph, writing self._graph_drafts, so a replay leaves no
+        eager launches for the drafts. Batch sizes over GRAPH_HEAD_MAX_ROWS draft rows (or over the buffer) are
+        left out and keep the eager head."""
+        B = self.block
+        bs = num_tokens // B
+        if bs * (B - 1) > GRAPH_HEAD_MAX_ROWS or bs > self._graph_drafts.shape[0]:
+            return
+        hidden = out.hidden_states[:num_tokens].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
+        self._graph_drafts[:bs].copy_(self.draft_model.draft_logits(hidden).argmax(dim=-1).view(bs, B - 1))
+        self._graph_head_bs.add(bs)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
         # the scheduler's host-side report of a finished decode step: feeds the width policy with no sync
@@ -220,9 +258,8 @@ class DFlashWorker(BaseSpecWorker):
 
         # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1 (none when k = 0)
         if k > 0:
-            block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs)
             verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
-            verify_ids[:, 0] = state.bonus_tokens
+            block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs, verify_ids)
             with _phase("dflash.draft"):
                 drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
                                      bs, k)
@@ -232,7 +269,6 @@ class DFlashWorker(BaseSpecWorker):
         else:  # a plain step verifies the bonus alone: no block inputs (its host time is what it costs over a plain
             # decode step: benchmarks/results/k0-step-qwen3-8b-h100)
             verify_ids, positions, cache_loc = self._plain_inputs(batch, state.bonus_tokens, prefix, bs)
-            drafts = verify_ids[:, 1:]  # [bs, 0]
         grammar_chain = self._controls.grammar_chain(batch, verify_ids)  # host copy of the chain, grammars only
 
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
@@ -247,15 +283,9 @@ class DFlashWorker(BaseSpecWorker):
         with _phase("dflash.accept"):
             logits, pending = self._controls.process(batch, logits.view(bs, W, -1), verify_ids, grammar_chain,
                                                      grammar_barrier)
-            commit_lens, tokens = self._accept(batch, drafts, logits)
+            commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens = self._accept(batch, verify_ids, logits,
+                                                                                          prefix)
             self._controls.commit(pending, tokens, commit_lens)
-            if k > 0:
-                bonus = tokens.gather(1, (commit_lens - 1)[:, None])[:, 0]
-                next_ids, accept_lens = tokens.clamp_min(0).reshape(-1), commit_lens.to(torch.int32)
-                new_seq_lens = prefix + commit_lens.to(prefix.dtype)
-            else:  # one token per row, never -1 padding; a copy, so the result and the next state share no memory
-                next_ids = tokens.reshape(-1)
-                bonus, accept_lens, new_seq_lens = next_ids.clone(), self._ones32[:bs], prefix + 1
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); publish
         if on_publish is not None:
             on_publish(new_seq_lens)
@@ -268,12 +298,12 @@ class DFlashWorker(BaseSpecWorker):
             speculative_num_draft_tokens=W, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
 
     # ----------------------------------------------------------------------------------- step helpers
-    def _block_inputs(self, batch, bonus, prefix, bs):
-        """[bonus, MASK...] ids, their positions, and their KV slots (already reserved by prepare_for_decode)."""
+    def _block_inputs(self, batch, bonus, prefix, bs, verify_ids):
+        """[bonus, MASK...] ids, their positions, and their KV slots (already reserved by prepare_for_decode); the
+        bonus also goes to verify_ids[:, 0]."""
         block_ids, positions, cache_loc = self._block_ids[:bs], self._positions[:bs], self._cache_loc[:bs]
-        block_ids[:, 0] = bonus  # columns 1.. keep the mask id written at allocation
-        torch.add(prefix[:, None].to(torch.int64), self._offsets, out=positions)
-        cache_loc.copy_(self._kv_slots(batch, positions))
+        self._fill_block_inputs(bonus, prefix, batch.req_pool_indices, self.req_to_token_pool.req_to_token,
+                                self.cfg.mask_token_id, block_ids, positions, cache_loc, verify_ids)
         return block_ids, positions, cache_loc
 
     def _plain_inputs(self, batch, bonus, prefix, bs):
@@ -308,7 +338,10 @@ class DFlashWorker(BaseSpecWorker):
             positions=positions.reshape(-1), spec_algorithm=SpeculativeAlgorithm.DFLASH,
             spec_info=self._draft_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
         with torch.inference_mode():
-            hidden = self.draft_runner.forward(fb).logits_output.hidden_states
+            out = self.draft_runner.forward(fb)
+        if out.can_run_graph and getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None) in self._graph_head_bs:
+            return self._graph_drafts[:bs, :k]  # computed by the replayed graph (_capture_draft_head)
+        hidden = out.logits_output.hidden_states
         # Contiguous 2-D rows for the lm_head: a strided 3-D view sent cuBLAS to a kernel 20x slower (profiled:
         # 14 ms of a 38 ms step at bs=32 on an 8B-shaped pair).
         # Only the k rows that will be verified go through the lm_head (its [V, H] read dominates at small batch).
@@ -338,10 +371,22 @@ class DFlashWorker(BaseSpecWorker):
         lo.hidden_states = None  # consumed inside the forward; never shipped to the host
         return lo.next_token_logits[:bs * width], graphed
 
-    def _accept(self, batch, drafts, logits):
+    def _accept(self, batch, verify_ids, logits, prefix):
+        """(commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens) of the step: the acceptance rule, then
+        the outputs SGLang's scheduler reads (kernels/greedy_accept.commit_outputs defines them)."""
+        bs, W = verify_ids.shape
         info = batch.sampling_info
-        if info is None or info.is_all_greedy:
-            return verify_greedy(drafts, logits)
+        greedy = info is None or info.is_all_greedy
+        if greedy and W > 1:  # the rule and the outputs in one launch on the GPU
+            return self._greedy_accept(logits.argmax(dim=-1), verify_ids[:, 1:], prefix)
+        commit_lens, tokens = (_plain_greedy(logits) if greedy else self._sampled(info, verify_ids[:, 1:], logits))
+        if W > 1:
+            return (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
+        # a plain step: one token per row, never -1 padding; a copy, so the result and the next state share no memory
+        next_ids = tokens.reshape(-1)
+        return commit_lens, tokens, next_ids, next_ids.clone(), self._ones32[:bs], prefix + 1
+
+    def _sampled(self, info, drafts, logits):
         bs, B, V = logits.shape
         # SGLang encodes greedy as top_k = 1 (temperature 1): processed_probs then gives the argmax point mass.
         s = SamplingTensors(temperature=info.temperatures.reshape(-1).float(),
@@ -355,6 +400,12 @@ class DFlashWorker(BaseSpecWorker):
             return verify_sampled_logits(drafts, logits, s.temperature)
         probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B)).view(bs, B, V)
         return verify_sampled(drafts, probs)
+
+
+def _plain_greedy(logits: torch.Tensor):
+    """A plain (k = 0) greedy step's (commit_lens, tokens): the argmax, one token per row; 2 launches."""
+    next_token = logits[:, 0].argmax(dim=-1)
+    return torch.ones_like(next_token), next_token[:, None]
 
 
 def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""The worker's mapping of SGLang's sampling info onto our acceptance rules (DFlashWorker._accept), without a server.
+"""The worker's mapping of SGLang's sampling info onto our acceptance rules (DFlashWorker._accept and _sampled),
+without a server.
 
 SGLang encodes a greedy request as temperature 1, top_k 1 (sampling_params.py), and says with host-side flags
 (need_top_k/top_p/min_p_sampling) whether any row of the batch filters. _accept must turn that into exactly the
 distribution sglang_dflash.sampling defines for the same requests: greedy rows a point mass on the argmax, sampled
 rows softmax(logits / T) filtered by top-k, top-p, min-p. _accept reads only batch.sampling_info, so it is called
-unbound on a SimpleNamespace batch built the way SamplingBatchInfo.from_schedule_batch (SGLang 0.5.17) builds one,
+unbound (on a stand-in worker holding the torch twins of the step kernels) on a SimpleNamespace batch built the way SamplingBatchInfo.from_schedule_batch (SGLang 0.5.17) builds one,
 and the probabilities it hands to verify_sampled are compared with processed_probs of our own SamplingParams.
 Batches where no row filters go to verify_sampled_logits (same law, tests/test_acceptance_logits.py); there the
 distribution it samples, softmax(logits / temperature), is the one compared.
@@ -24,6 +25,7 @@ from sglang.srt.sampling.sampling_params import TOP_K_ALL  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangParams  # noqa: E402
 
 from sglang_dflash import acceptance  # noqa: E402
+from sglang_dflash.kernels.greedy_accept import commit_outputs, greedy_accept_torch  # noqa: E402
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs  # noqa: E402
 from sglang_dflash.serving import worker  # noqa: E402
 
@@ -60,7 +62,7 @@ def inputs(n: int, seed: int = 0):
 
 def run_accept(rows, drafts, logits, monkeypatch, bug=None):
     """DFlashWorker._accept on a fake batch; returns (commit_lens, tokens, probs handed to verify_sampled, or those
-    verify_sampled_logits samples from, or None). bug: (old, new) source planted into _accept after the spies."""
+    verify_sampled_logits samples from, or None). bug: (old, new) source planted into _sampled after the spies."""
     seen = {}
 
     def spy(d, probs, generator=None):
@@ -79,9 +81,17 @@ def run_accept(rows, drafts, logits, monkeypatch, bug=None):
     if bug is not None:  # after the spies: plant compiles the mutant with a copy of the module's globals
         from test_mutations_algorithm import plant
 
-        plant(monkeypatch, worker.DFlashWorker, "_accept", *bug)
-    commit, tokens = worker.DFlashWorker._accept(None, SimpleNamespace(sampling_info=sampling_info(rows)), drafts,
-                                                 logits)
+        plant(monkeypatch, worker.DFlashWorker, "_sampled", *bug)
+    n = drafts.shape[0]
+    me = SimpleNamespace(_greedy_accept=greedy_accept_torch, _ones32=torch.ones(n, dtype=torch.int32))
+    me._sampled = lambda *a: worker.DFlashWorker._sampled(me, *a)
+    verify_ids = torch.cat([torch.zeros(n, 1, dtype=drafts.dtype), drafts], dim=1)  # [bonus, drafts]
+    prefix = torch.arange(n) + 10
+    commit, tokens, next_ids, bonus, accept_lens, new_lens = worker.DFlashWorker._accept(
+        me, SimpleNamespace(sampling_info=sampling_info(rows)), verify_ids, logits, prefix)
+    # the step's outputs follow from (commit, tokens) by their one definition, whichever path made them
+    for got, want in zip((next_ids, bonus, accept_lens, new_lens), commit_outputs(commit, tokens, prefix)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
     return commit, tokens, seen.get("probs")
 
 
@@ -143,7 +153,7 @@ def test_mutant_ignoring_temperature_is_caught(monkeypatch):
         check_mapping(CASES["filters"], monkeypatch)
 
 
-# planted in _accept's own source (test_mutations_algorithm.plant): the logits rule's two easy mistakes
+# planted in _sampled's own source (test_mutations_algorithm.plant): the logits rule's two easy mistakes
 ACCEPT_BUGS = {
     "logits rule ignores temperature": ("verify_sampled_logits(drafts, logits, s.temperature)",
                                         "verify_sampled_logits(drafts, logits, torch.ones_like(s.temperature))",

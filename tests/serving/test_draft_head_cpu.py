@@ -1,0 +1,80 @@
+"""The greedy draft head inside the draft CUDA graph (DFlashWorker._capture_draft_head) drafts what the eager head
+drafts, and DFlashWorker._draft reads the graph's drafts only from a replay of a graph that computed them.
+
+The hook is what SGLang's graph runner calls at the end of every draft-graph capture (``capture_tail_hooks``); on
+the GPU its ops are recorded and replayed with the graph. Here it is called directly on CPU tensors, as at capture,
+and ``_draft`` runs on a stand-in draft runner whose forward reports a replay (or not) of a given padded batch size.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang_dflash.serving import worker  # noqa: E402
+
+B, H, V, CAP = 6, 8, 50, 4
+
+
+def stand_in(hidden: torch.Tensor, replayed_bs: int | None):
+    g = torch.Generator().manual_seed(1)
+    head = torch.randn(V, H, generator=g)
+    runner = SimpleNamespace(
+        forward=lambda fb: SimpleNamespace(can_run_graph=replayed_bs is not None,
+                                           logits_output=SimpleNamespace(hidden_states=hidden)),
+        decode_cuda_graph_runner=SimpleNamespace(bs=replayed_bs))
+    me = SimpleNamespace(block=B, draft_runner=runner, _draft_spec_info=None, _graph_head_bs=set(),
+                         _graph_drafts=torch.full((CAP, B - 1), -1, dtype=torch.int64),
+                         draft_model=SimpleNamespace(draft_logits=lambda h: h @ head.T))
+    return me, head
+
+
+def eager_drafts(hidden, head, bs, k):
+    rows = hidden[: bs * B].view(bs, B, -1)[:, 1:k + 1]
+    return (rows @ head.T).argmax(-1)
+
+
+def draft(me, bs, k):
+    z = torch.zeros((bs, B), dtype=torch.int64)
+    batch = SimpleNamespace(req_pool_indices=torch.arange(bs))
+    return worker.DFlashWorker._draft(me, batch, z, z, z, torch.full((bs,), 5), (None, None), bs, k)
+
+
+@pytest.mark.parametrize("bs,padded", [(1, 1), (3, 4)])
+def test_graph_head_drafts_what_the_eager_head_drafts(bs, padded):
+    hidden = torch.randn(padded * B, H)
+    me, head = stand_in(hidden, replayed_bs=padded)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), None, padded * B)
+    assert me._graph_head_bs == {padded}
+    for k in range(1, B):
+        got = draft(me, bs, k)
+        assert torch.equal(got, eager_drafts(hidden, head, bs, k)), k
+        assert got.data_ptr() == me._graph_drafts.data_ptr()  # read from the graph's buffer, not recomputed
+
+
+def test_eager_head_where_the_replayed_graph_has_none():
+    hidden = torch.randn(4 * B, H)
+    me, head = stand_in(hidden, replayed_bs=4)
+    me._graph_head_bs = {1, 2}  # captured with the head at 1 and 2 only; the buffer holds stale drafts
+    got = draft(me, 3, B - 1)
+    assert torch.equal(got, eager_drafts(hidden, head, 3, B - 1))
+    me, head = stand_in(hidden, replayed_bs=None)  # an eager forward (no replay) never reads the buffer
+    me._graph_head_bs = {4}
+    assert torch.equal(draft(me, 3, 2), eager_drafts(hidden, head, 3, 2))
+
+
+def test_large_batches_keep_the_eager_head(monkeypatch):
+    monkeypatch.setattr(worker, "GRAPH_HEAD_MAX_ROWS", 2 * (B - 1))
+    hidden = torch.randn(3 * B, H)
+    me, _ = stand_in(hidden, replayed_bs=3)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), None, 3 * B)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), None, 2 * B)
+    assert me._graph_head_bs == {2}
+    big = torch.randn((CAP + 1) * B, H)  # a captured batch larger than the buffer: left out, nothing written
+    monkeypatch.setattr(worker, "GRAPH_HEAD_MAX_ROWS", 10_000)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=big), None, (CAP + 1) * B)
+    assert CAP + 1 not in me._graph_head_bs
