@@ -82,6 +82,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests 2>/dev/null) 2>/dev/null
+  done_dirs=$(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests 2>/dev/null)
+  tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

@@ -205,7 +205,8 @@ def markdown(results: dict) -> str:
             continue
         lines.append(f"| {m} | {r['wall_ms_per_step']:.2f} | {r['gpu_busy_ms_per_step']:.2f} | "
                      f"{100 * r['gpu_busy_fraction']:.0f} | {r['idle_gaps_over_50us']['total_ms']:.1f} | "
-                     f"{r['launches_per_step'].get('cudaGraphLaunch', 0):.1f} | {r.get('eager_launches_per_step', 0):.1f} | "
+                     f"{r['launches_per_step'].get('cudaGraphLaunch', 0):.1f} | "
+                     f"{r.get('eager_launches_per_step', 0):.1f} | "
                      + ", ".join(f"{g['nodes']} ({g['launch_host_ms_mean']:.2f})" for g in r.get("graphs", [])
                                  if g["replays"] >= r["steps"] // 2) + " |")
     for m, r in results.items():

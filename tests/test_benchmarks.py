@@ -267,10 +267,17 @@ def test_profile_summary_of_a_synthetic_trace(tmp_path):
               ev("user_annotation", "scheduler.run_batch", 0, 400, 5),
               ev("user_annotation", "step[TARGET_VERIFY bs=1]", 10, 100, 3),
               ev("user_annotation", "step[TARGET_VERIFY bs=32]", 200, 60, 3)]
+    # the graph launch replays the two gemms (same correlation id); attn came from an eager launch
+    for e in events:
+        if e["name"] in ("gemm", "cudaGraphLaunch"):
+            e["args"] = {"correlation": 11}
+    events.append(ev("cuda_runtime", "cudaLaunchKernel", 300, 5, 3))
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     s = profile_step.summarise_trace(path, steps=2)
+    assert s["eager_launches_per_step"] == 0.5
+    assert s["graphs"] == [{"nodes": 2, "replays": 1, "launch_host_ms_mean": pytest.approx(0.004)}]
     assert s["wall_ms"] == pytest.approx(0.5) and s["gpu_busy_ms"] == pytest.approx(0.25)
     assert s["idle_gaps_over_50us"]["count"] == 1 and s["idle_gaps_over_50us"]["total_ms"] == pytest.approx(0.25)
     assert s["launches_per_step"]["cudaGraphLaunch"] == 0.5
@@ -284,7 +291,7 @@ def test_profile_summary_of_a_synthetic_trace(tmp_path):
                                      "dflash.verify": {"count": 1, "ms_per_step": pytest.approx(0.175)},
                                      "step[TARGET_VERIFY bs=N]": {"count": 2, "ms_per_step": pytest.approx(0.08)}}
     md = profile_step.markdown({"ours": s})
-    assert "| ours |" in md and "scheduler.run_batch 0.20" in md
+    assert "| ours |" in md and "scheduler.run_batch 0.20" in md and "| 0.5 | 2 (0.00) |" in md
 
 
 def test_gpu_e2e_compare_excuses_only_near_ties(monkeypatch):

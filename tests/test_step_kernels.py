@@ -84,7 +84,8 @@ def test_block_inputs_torch_twin():
     block_inputs_torch(**args, **out)
     p, rows = args["prefix"].long(), args["pool_rows"].long()
     assert torch.equal(out["positions"], p[:, None] + torch.arange(16))
-    assert torch.equal(out["cache_loc"], torch.stack([args["req_to_token"][r, q:q + 16] for r, q in zip(rows, p)]).long())
+    want_slots = torch.stack([args["req_to_token"][r, q:q + 16] for r, q in zip(rows, p)]).long()
+    assert torch.equal(out["cache_loc"], want_slots)
     assert out["block_ids"][:, 0].tolist() == args["bonus"].tolist() and (out["block_ids"][:, 1:] == 3).all()
     assert torch.equal(out["verify_ids"][:, 0], args["bonus"]) and (out["verify_ids"][:, 1:] == -7).all()
 

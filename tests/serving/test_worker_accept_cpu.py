@@ -5,7 +5,8 @@ SGLang encodes a greedy request as temperature 1, top_k 1 (sampling_params.py), 
 (need_top_k/top_p/min_p_sampling) whether any row of the batch filters. _accept must turn that into exactly the
 distribution sglang_dflash.sampling defines for the same requests: greedy rows a point mass on the argmax, sampled
 rows softmax(logits / T) filtered by top-k, top-p, min-p. _accept reads only batch.sampling_info, so it is called
-unbound (on a stand-in worker holding the torch twins of the step kernels) on a SimpleNamespace batch built the way SamplingBatchInfo.from_schedule_batch (SGLang 0.5.17) builds one,
+unbound (on a stand-in worker holding the torch twins of the step kernels) on a SimpleNamespace batch built the way
+SamplingBatchInfo.from_schedule_batch (SGLang 0.5.17) builds one,
 and the probabilities it hands to verify_sampled are compared with processed_probs of our own SamplingParams.
 Batches where no row filters go to verify_sampled_logits (same law, tests/test_acceptance_logits.py); there the
 distribution it samples, softmax(logits / temperature), is the one compared.
