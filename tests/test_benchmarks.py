@@ -334,3 +334,26 @@ def test_arch_search_summary_of_two_runs(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "| l1 | 1 | 1536 | 2.0 | 500 | 4.50 | 1.90 | 1.50 | True |" in md
     assert (tmp_path / "arch_search.png").stat().st_size > 0
+
+
+def test_step_times_from_decode_log_lines(tmp_path, capsys):
+    """ms per step = 1000 / median(gen throughput / accept len / bs) per batch size; idle lines (<= 50 tok/s) and
+    other lines are left out; a plain server's lines (no accept len) count one token per request and step."""
+    from benchmarks import step_times
+
+    def line(bs, tok_s, accept=None):
+        acc = f"accept len: {accept}, accept rate: 0.2, " if accept is not None else ""
+        return (f"[2026-11-25 00:34:09] Decode batch, #running-req: {bs}, #token: 99, token usage: 0.00, {acc}"
+                f"cuda graph: True, gen throughput (token/s): {tok_s}, #queue-req: 0\n")
+
+    spec = [line(1, 600.0, 3.0), line(1, 400.0, 2.0), line(1, 900.0, 3.0), line(1, 20.0, 1.0),  # last one idle
+            line(8, 4000.0, 2.5), "Prefill batch, #new-seq: 1\n"]
+    got = step_times.step_ms(spec)
+    assert got[1]["lines"] == 3 and got[1]["ms"] == pytest.approx(1000 / 200)  # steps/s 200, 200, 300 -> median 200
+    assert got[8] == {"ms": pytest.approx(1000 / 200), "lines": 1}  # 4000 / 2.5 / 8 = 200 steps/s
+    assert step_times.step_ms([line(1, 500.0)]) == {1: {"ms": pytest.approx(2.0), "lines": 1}}
+    log = tmp_path / "ours.server.log.gz"
+    with gzip.open(log, "wt") as f:
+        f.writelines(spec)
+    assert step_times.main([str(log), "--bs", "1", "4"]) == 0
+    assert "| ours | 5.00 (3) | - |" in capsys.readouterr().out
