@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
+from _interpreter import run_interpreted
 
 from sglang_dflash.kernels.reference import verify_attention_reference
 
@@ -148,11 +148,7 @@ def test_reference_matches_naive_dense(case):
 
 @pytest.fixture(scope="module")
 def interpreter_errors():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: c.name)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _interpreter import run_interpreted
 
 from sglang_dflash.acceptance import verify_greedy
 from sglang_dflash.kernels.greedy_accept import greedy_accept_torch
@@ -108,11 +108,7 @@ def test_torch_twin_is_the_foundations_rule_plus_the_step_outputs():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 def test_interpreted_kernels_equal_torch_twins(interpreted):

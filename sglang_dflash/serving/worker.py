@@ -110,7 +110,7 @@ class DFlashWorker(BaseSpecWorker):
         # per-step buffers, sized once (bs never exceeds max_running_requests)
         cap = max(int(server_args.max_running_requests or 48), 1)
         dev = self.device
-        self._block_ids = torch.full((cap, B), self.cfg.mask_token_id, dtype=torch.int64, device=dev)
+        self._block_ids = torch.empty((cap, B), dtype=torch.int64, device=dev)  # every column written per step
         self._positions = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._cache_loc = torch.empty((cap, B), dtype=torch.int64, device=dev)
         self._verify_ids = torch.empty((cap * B,), dtype=torch.int64, device=dev)
