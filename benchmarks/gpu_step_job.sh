@@ -15,6 +15,9 @@
 #   kerneltests  the GPU cases of tests/test_step_kernels.py and tests/test_kernels.py (pytest from the wheels in
 #          $WHEELS (/tmp/wheels; the starting call copies .carry/wheels there: the device stack has no pytest)
 #                                                                                          -> /tmp/job/kerneltests
+#   host   host_profile (py-spy from $WHEELS), SmolLM2 + DRAFTER: HOST_METHODS (none,builtin,ours-fixed) at
+#          HOST_CONC (1), once per --max-running-requests in HOST_MAXRUN ("128"; the decode graphs follow it),
+#          memory fraction HOST_MEM (0.5; lower it to share the GPU with another job)      -> /tmp/job/host-mr<N>
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
@@ -31,6 +34,7 @@ COMMON_8B="--attention-backend triton --sampling-backend pytorch --grammar-backe
  --cuda-graph-bs-decode 1 2 4 8 16 32 64 128"
 COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.5
  --cuda-graph-max-bs-decode 128 --max-running-requests 128 --dtype bfloat16 --disable-prefill-cuda-graph"
+DRAFTER=${DRAFTER:-sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16}  # the SmolLM2 phases' drafter
 [ -d "$SHAPE_DIR" ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b "$SHAPE_DIR" || exit 1
 
 run_8b() {  # METHODS TEMPERATURES: gpu_cost_run.sh into $JOB/cost (its report covers every method run so far)
@@ -53,14 +57,26 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -m benchmarks.profile_step --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy \
         --methods "${PROF_METHODS:-ours-fixed,ours}" --concurrency "${PROF_CONC:-1,32}" \
         --steps "${PROF_STEPS:-20}" --warmup-s 10 --out $JOB/prof --wait-s 300 --common-args "$COMMON_8B" ;;
+    host)
+      mkdir -p /tmp/pyspy_site
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy_site "${WHEELS:-/tmp/wheels}"/py_spy-*.whl
+      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      for mr in ${HOST_MAXRUN:-128}; do
+        common=$(echo "$COMMON_SMOL" | sed -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
+          -e "s/--cuda-graph-max-bs-decode [0-9]*/--cuda-graph-max-bs-decode $mr/" \
+          -e "s/--max-running-requests [0-9]*/--max-running-requests $mr/")
+        python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" --py-spy /tmp/pyspy_site/bin/py-spy \
+          --methods "${HOST_METHODS:-none,builtin,ours-fixed}" --concurrency "${HOST_CONC:-1}" --vocab 49000 \
+          --seconds "${HOST_S:-25}" --out $JOB/host-mr$mr --wait-s 300 --common-args "$common"
+      done ;;
     smolprof)
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
-      python3 -m benchmarks.profile_step --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
+      python3 -m benchmarks.profile_step --target /tmp/smollm2 --draft "$DRAFTER" \
         --methods "${PROF_METHODS:-none,ours-k0,ours-fixed}" --concurrency "${PROF_CONC:-1,8}" --vocab 49000 \
         --steps "${PROF_STEPS:-40}" --warmup-s 8 --out $JOB/smolprof --wait-s 200 --common-args "$COMMON_SMOL" ;;
     smol)
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
-      python3 -m benchmarks.driver --target /tmp/smollm2 --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 \
+      python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
         --methods "${SMOL_METHODS:-none,ours-fixed,builtin,ours}" --out $JOB/smol --wait-s 200 \
         --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter, H100" -- \
         --datasets "${SMOL_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${SMOL_CONC:-1,8}" \
@@ -74,7 +90,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       for f in $JOB/trace8b/trace-*.jsonl; do python3 -m benchmarks.step_trace "$f" --json "${f%.jsonl}.summary.json"; done
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
       SGLANG_DFLASH_STEP_TRACE=$JOB/tracesmol/trace-{pid}.jsonl python3 -m benchmarks.driver --target /tmp/smollm2 \
-        --draft sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16 --methods ${TRACE_SMOL_METHODS:-none,ours-k0,ours,builtin} \
+        --draft "$DRAFTER" --methods ${TRACE_SMOL_METHODS:-none,ours-k0,ours,builtin} \
         --out $JOB/tracesmol --wait-s 200 --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct, step trace, H100" -- \
         --datasets humaneval,gsm --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 --min-convs 16 \
         --warmup 2 --no-progress
@@ -82,7 +98,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

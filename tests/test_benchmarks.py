@@ -357,3 +357,32 @@ def test_step_times_from_decode_log_lines(tmp_path, capsys):
         f.writelines(spec)
     assert step_times.main([str(log), "--bs", "1", "4"]) == 0
     assert "| ours | 5.00 (3) | - |" in capsys.readouterr().out
+
+
+def test_host_profile_keeps_the_scheduler_loop_and_counts_each_function_once_per_sample(tmp_path, capsys):
+    from benchmarks import host_profile
+
+    proc = 'process 7:"python -m sglang.launch_server"'
+    loop = "event_loop_overlap (sglang/srt/managers/scheduler.py:1000)"
+    raw = [
+        f"{proc};<module> (launch_server.py:3);load_model (model_runner.py:10) 50",  # startup: not the loop
+        f"{proc};run (scheduler.py:5);{loop};run_batch (scheduler.py:20);forward (worker.py:7) 30",
+        f"{proc};run (scheduler.py:5);{loop};run_batch (scheduler.py:21);forward (worker.py:8);"
+        "forward (worker.py:9) 10",  # a recursion counts once
+        f"{proc};run (scheduler.py:5);{loop};recv_requests (scheduler.py:40) 60",
+        "not a stack line",
+    ]
+    s = host_profile.summarise(host_profile.parse_raw(raw))
+    assert s["loop_samples"] == 100
+    rows = {r["function"]: r for r in s["functions"]}
+    assert rows["run_batch (scheduler.py)"]["inclusive"] == 0.4
+    assert rows["forward (worker.py)"] == {"function": "forward (worker.py)", "inclusive": 0.4, "self": 0.4}
+    assert rows["recv_requests (scheduler.py)"]["self"] == 0.6
+    assert "load_model (model_runner.py)" not in rows
+    text = host_profile.markdown({"ours": {**s, "step_ms": 4.0}})
+    assert "| `run_batch (scheduler.py)` | 40.0% | 0.0% | 1.600 |" in text
+    f = tmp_path / "ours.pyspy.txt.gz"
+    with gzip.open(f, "wt") as fh:
+        fh.write("\n".join(raw) + "\n")
+    assert host_profile.main(["--out", str(tmp_path), "--summarise", str(f)]) == 0
+    assert "recv_requests (scheduler.py)" in capsys.readouterr().out
