@@ -67,7 +67,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
           -e "s/--max-running-requests [0-9]*/--max-running-requests $mr/")
         python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" --py-spy /tmp/pyspy_site/bin/py-spy \
           --methods "${HOST_METHODS:-none,builtin,ours-fixed}" --concurrency "${HOST_CONC:-1}" --vocab 49000 \
-          --seconds "${HOST_S:-25}" --out $JOB/host-mr$mr --wait-s 300 --common-args "$common"
+          --seconds "${HOST_S:-20}" --out $JOB/host-mr$mr --wait-s 300 --common-args "$common"
       done ;;
     smolprof)
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done

@@ -5,9 +5,9 @@
 
 The torch profiler (``profile_step``) times annotated ranges, but its per-launch overhead inflates every step and it
 cannot see inside SGLang's functions. py-spy samples the Python stacks of the running server from outside, at a
-fixed rate, with no instrumentation: for each method the server runs under ``py-spy record --subprocesses`` (it is
-py-spy's child, so no ptrace permission beyond the default is needed), ``--concurrency`` closed-loop greedy
-requests keep it in decode (``profile_step.Load``), then py-spy is stopped with SIGINT and writes its samples.
+fixed rate, with no instrumentation: for each method the server starts, ``--concurrency`` closed-loop greedy
+requests keep it in decode (``profile_step.Load``), and ``py-spy record --pid <scheduler> --nonblocking`` samples
+the scheduler process for ``--seconds`` (attaching needs ptrace rights: root, or CAP_SYS_PTRACE).
 
 The summary keeps the scheduler's event loop only (samples whose stack passes through ``event_loop_*``) and gives,
 per function, its inclusive and self share of the loop's samples. With the server's own decode-log step time
@@ -23,9 +23,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import shutil
-import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,6 +45,11 @@ def _function(frame: str) -> str:
     return f"{name} ({Path(path).name})" if path else name
 
 
+def _is_loop(frame: str) -> bool:
+    """py-spy names methods by class: 'Scheduler.event_loop_overlap (scheduler.py:1773)'."""
+    return frame.partition(" (")[0].rsplit(".", 1)[-1].startswith(LOOP_PREFIX)
+
+
 def parse_raw(lines) -> list[tuple[list[str], int]]:
     """py-spy's raw format: one 'frame;frame;...;frame COUNT' line per distinct stack, outermost frame first."""
     out = []
@@ -61,7 +65,7 @@ def summarise(stacks: list[tuple[list[str], int]], top: int = 40) -> dict:
     """Inclusive and self samples per function inside the scheduler's event loop, as shares of the loop's samples."""
     inclusive, own, loop_total = Counter(), Counter(), 0
     for frames, n in stacks:
-        at = next((i for i, f in enumerate(frames) if f.startswith(LOOP_PREFIX)), None)
+        at = next((i for i, f in enumerate(frames) if _is_loop(f)), None)
         if at is None:
             continue
         loop_total += n
@@ -94,12 +98,23 @@ def markdown(results: dict, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scheduler_pid(root: int) -> int | None:
+    """The scheduler process among the server's descendants (SGLang titles it ``sglang::scheduler``)."""
+    import psutil
+
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline()) + " " + proc.name()
+        except psutil.Error:
+            continue
+        if "scheduler" in title.lower():
+            return proc.pid
+    return None
+
+
 def profile_method(args, dargs, method: str, out: Path) -> dict:
-    raw = out / f"{method}.pyspy.txt"
-    argv = [args.py_spy, "record", "--subprocesses", "--rate", str(args.rate), "--format", "raw", "-o", str(raw),
-            "--"] + driver.server_argv(dargs, method)
-    log = out / f"{method}.server.log"
-    srv = Server(argv, log, dargs.port, dargs.host, driver.server_env(dargs, method))
+    raw, log = out / f"{method}.pyspy.txt", out / f"{method}.server.log"
+    srv = Server(driver.server_argv(dargs, method), log, dargs.port, dargs.host, driver.server_env(dargs, method))
     c = int(args.concurrency)
     try:
         srv.start()
@@ -107,15 +122,19 @@ def profile_method(args, dargs, method: str, out: Path) -> dict:
             print(f"[host] {method}: healthy after {srv.wait_healthy(args.wait_s, poll_s=2.0):.0f} s", flush=True)
         except (RuntimeError, TimeoutError) as e:
             return {"skipped": str(e).splitlines()[0], "log_tail": srv.log_tail()}
+        pid = scheduler_pid(srv.pid)
+        # attached after start-up (sampling every process through start-up fell behind and stalled it);
+        # --nonblocking: the scheduler is never paused for a sample, so the step times stay the server's own
+        target = ["--pid", str(pid)] if pid else ["--pid", str(srv.pid), "--subprocesses"]
         load = Load(srv.url, c, args.prompt_len, args.max_new_tokens, args.vocab)
         load.start()
-        time.sleep(args.seconds)
-        os.kill(srv.pid, signal.SIGINT)  # py-spy stops sampling and writes its file; the server keeps running
-        for _ in range(60):
-            if raw.exists() and raw.stat().st_size and srv.proc.poll() is not None:
-                break
-            time.sleep(1)
-        load.close()
+        try:
+            time.sleep(args.warmup_s)
+            subprocess.run([args.py_spy, "record", *target, "--rate", str(args.rate), "--format", "raw",
+                            "--nonblocking", "--duration", str(int(args.seconds)), "-o", str(raw)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=args.seconds + 120)
+        finally:
+            load.close()
     finally:
         try:
             _post(srv.url + "/abort_request", {"abort_all": True}, timeout=10)
@@ -139,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="none,builtin,ours-fixed")
     p.add_argument("--concurrency", default="1")
-    p.add_argument("--seconds", type=float, default=25.0, help="sampling window under load (after /health)")
+    p.add_argument("--seconds", type=float, default=20.0, help="sampling window under load")
+    p.add_argument("--warmup-s", type=float, default=8.0, help="load before sampling starts")
     p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -148,14 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=60)
     p.add_argument("--wait-s", type=float, default=300)
     p.add_argument("--out", required=True)
-    p.add_argument("--summarise", nargs="*", help="only summarise these raw py-spy files (no servers)")
+    p.add_argument("--summarise", nargs="*", help="only summarise these stored py-spy files (no servers) into --out")
     args, rest = p.parse_known_args(argv)
-    if args.summarise:
+    if args.summarise:  # re-read stored samples (and the server log beside each, for the step time)
         results = {}
-        for f in args.summarise:
-            opener = gzip.open if f.endswith(".gz") else open
+        for f in map(Path, args.summarise):
+            opener = gzip.open if f.suffix == ".gz" else open
             with opener(f, "rt", errors="replace") as fh:
-                results[Path(f).name] = summarise(parse_raw(fh), args.top)
+                r = summarise(parse_raw(fh), args.top)
+            method = f.name.split(".pyspy")[0]
+            log = next((g for g in (f.with_name(method + ".server.log.gz"), f.with_name(method + ".server.log"))
+                        if g.exists()), None)
+            times = step_ms(read_log(log)) if log else {}
+            if int(args.concurrency) in times:
+                r["step_ms"], r["step_log_lines"] = (times[int(args.concurrency)][k] for k in ("ms", "lines"))
+            results[method] = r
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_profile.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "host_profile.md").write_text(markdown(results))
         print(markdown(results))
         return 0
     dargs = driver.parser().parse_args(rest + ["--out", args.out])

@@ -363,7 +363,7 @@ def test_host_profile_keeps_the_scheduler_loop_and_counts_each_function_once_per
     from benchmarks import host_profile
 
     proc = 'process 7:"python -m sglang.launch_server"'
-    loop = "event_loop_overlap (sglang/srt/managers/scheduler.py:1000)"
+    loop = "Scheduler.event_loop_overlap (sglang/srt/managers/scheduler.py:1000)"  # py-spy names methods by class
     raw = [
         f"{proc};<module> (launch_server.py:3);load_model (model_runner.py:10) 50",  # startup: not the loop
         f"{proc};run (scheduler.py:5);{loop};run_batch (scheduler.py:20);forward (worker.py:7) 30",

@@ -57,10 +57,72 @@ def block_case(bs: int, B: int, W: int, dt: torch.dtype, seed: int, device: str 
 
 BLOCK_CASES = [(1, 16, 16, torch.int64), (5, 16, 8, torch.int32), (9, 4, 2, torch.int64), (3, 13, 13, torch.int32)]
 
+# verify metadata: (bs, W, length dtype, mask pointers): over 128 requests (several prefix-sum iterations), rows over
+# 512 slots (several copy iterations), zero-length padded rows, W = 1
+META_CASES = [(1, 16, torch.int64, True), (130, 16, torch.int32, False), (7, 5, torch.int64, True),
+              (3, 1, torch.int32, True)]
+
+
+def metadata_case(bs: int, W: int, dt: torch.dtype, mask: bool, seed: int, device: str = "cpu"):
+    """(inputs, output buffers) of verify_metadata: SGLang's buffer dtypes (qo / mask int64, kv_indptr int32)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, max_len = bs + 3, 700
+    req_to_token = torch.randperm(rows * max_len, generator=g).to(torch.int32).view(rows, max_len)
+    seq_lens = torch.randint(0, max_len, (bs,), generator=g)
+    seq_lens[bs // 2] = 0  # a padded graph row attends nothing
+    args = dict(seq_lens=seq_lens.to(dt), pool_rows=torch.randperm(rows, generator=g)[:bs].to(dt),
+                req_to_token=req_to_token, width=W)
+    outs = dict(qo_indptr=torch.full((bs + 4,), -7), kv_indptr=torch.full((bs + 4,), -7, dtype=torch.int32),
+                kv_indices=torch.full((int(seq_lens.sum()) + 9,), -7),
+                mask_indptr=torch.full((bs + 4,), -7) if mask else None)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in args.items()}, \
+        {k: v.to(device) if v is not None else None for k, v in outs.items()}
+
+
+def _hook_vs_sglang(device: str) -> dict[str, bool]:
+    """Our hook and SGLang 0.5.17's ``TritonAttnBackend._update_target_verify_buffers`` on the same backend state:
+    the same return values and the same buffers (SGLang's index-copy kernel is Triton too, hence the interpreter)."""
+    import types
+
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    from sglang_dflash.serving.verify_metadata import update_target_verify_buffers
+
+    out = {}
+    for i, (bs, W) in enumerate(((1, 16), (9, 16), (4, 8))):
+        g = torch.Generator().manual_seed(100 + i)
+        req_to_token = torch.randperm(12 * 300, generator=g).to(torch.int32).view(12, 300).to(device)
+        seq_lens = torch.randint(1, 300, (bs,), generator=g).to(device)
+        pool_rows = torch.randperm(12, generator=g)[:bs].to(device)
+        spec = DFlashVerifyInput(draft_token=torch.zeros(bs * W, dtype=torch.int64, device=device),
+                                 positions=torch.zeros(bs * W, dtype=torch.int64, device=device), draft_token_num=W)
+
+        def backend():
+            ns = types.SimpleNamespace(
+                num_draft_tokens=16, device=device, req_to_token=req_to_token, sliding_window_size=None,
+                _verify_mask=None, token_to_kv_pool=None, window_kv_indptr=torch.zeros(17, dtype=torch.int32),
+                qo_indptr=torch.zeros(17, dtype=torch.int64, device=device),
+                kv_indptr=torch.zeros(17, dtype=torch.int32, device=device),
+                mask_indptr=torch.zeros(17, dtype=torch.int64, device=device),
+                cuda_graph_kv_indices=torch.zeros(16 * 300, dtype=torch.int64, device=device))
+            ns._fill_kv_indptr_and_indices = types.MethodType(TritonAttnBackend._fill_kv_indptr_and_indices, ns)
+            return ns
+
+        theirs, ours = backend(), backend()
+        want = TritonAttnBackend._update_target_verify_buffers(theirs, bs, seq_lens, pool_rows, spec)
+        got = update_target_verify_buffers(TritonAttnBackend._update_target_verify_buffers, ours, bs, seq_lens,
+                                           pool_rows, spec)
+        same = all((a is None and b is None) or (torch.is_tensor(a) and torch.equal(a, b)) for a, b in zip(got, want))
+        bufs = ("qo_indptr", "kv_indptr", "mask_indptr", "cuda_graph_kv_indices")
+        out[f"hook {bs}x{W}"] = same and all(torch.equal(getattr(ours, k), getattr(theirs, k)) for k in bufs)
+    return out
+
 
 def _kernel_vs_twin(device: str) -> dict[str, bool]:
     from sglang_dflash.kernels.block_inputs import block_inputs, block_inputs_torch
     from sglang_dflash.kernels.greedy_accept import greedy_accept
+    from sglang_dflash.kernels.verify_metadata import verify_metadata, verify_metadata_torch
 
     out = {}
     for i, (bs, w, dt) in enumerate(CASES):
@@ -74,6 +136,14 @@ def _kernel_vs_twin(device: str) -> dict[str, bool]:
         block_inputs(**args, **got)
         block_inputs_torch(**args, **want)
         out[f"block {bs}x{B}/W{W}/{dt}"] = all(torch.equal(got[k], want[k]) for k in got)
+    for i, (bs, W, dt, mask) in enumerate(META_CASES):
+        args, got = metadata_case(bs, W, dt, mask, seed=i, device=device)
+        _, want = metadata_case(bs, W, dt, mask, seed=i, device=device)
+        verify_metadata(**args, **got)
+        verify_metadata_torch(**args, **want)
+        out[f"metadata {bs}x{W}/{dt}/mask={mask}"] = all(
+            (got[k] is None and want[k] is None) or torch.equal(got[k], want[k]) for k in got)
+    out.update(_hook_vs_sglang(device))
     return out
 
 
@@ -106,13 +176,53 @@ def test_torch_twin_is_the_foundations_rule_plus_the_step_outputs():
         assert got["new_lens"].dtype == dt and torch.equal(got["new_lens"].long(), prefix.long() + commit_lens)
 
 
+def test_verify_metadata_torch_twin_is_the_definition():
+    from sglang_dflash.kernels.verify_metadata import verify_metadata_torch
+
+    args, out = metadata_case(7, 5, torch.int32, True, seed=3)
+    verify_metadata_torch(**args, **out)
+    lens, rows, r2t = args["seq_lens"].long(), args["pool_rows"].long(), args["req_to_token"]
+    ends = [int(lens[:r].sum()) for r in range(8)]
+    assert out["qo_indptr"][:8].tolist() == [5 * r for r in range(8)] and out["qo_indptr"][8:].eq(-7).all()
+    assert out["kv_indptr"][:8].tolist() == ends
+    assert out["mask_indptr"][:8].tolist() == [5 * e + 25 * r for r, e in enumerate(ends)]
+    want = torch.cat([r2t[q, :n] for q, n in zip(rows, lens)]).long()
+    assert torch.equal(out["kv_indices"][: ends[-1]], want) and out["kv_indices"][ends[-1]:].eq(-7).all()
+
+
+def test_verify_metadata_hook_leaves_other_cases_to_sglang(monkeypatch):
+    """EAGLE-style custom masks, sliding windows, other spec inputs and the switch run SGLang's function."""
+    import types
+
+    from sglang_dflash.serving.verify_metadata import METADATA_ENV, update_target_verify_buffers
+
+    class DFlashVerifyInput:  # the hook recognises DFLASH's spec input by its class name
+        def __init__(self, **kw):
+            self.__dict__.update({"custom_mask": None, "draft_token_num": 16, **kw})
+
+    def sglang(self, *args):
+        return "sglang"
+
+    plain = types.SimpleNamespace(sliding_window_size=None)
+    for backend, spec in ((plain, DFlashVerifyInput(custom_mask=torch.ones(4))), (plain, None),
+                          (plain, types.SimpleNamespace(custom_mask=None, draft_token_num=16)),
+                          (types.SimpleNamespace(sliding_window_size=512), DFlashVerifyInput())):
+        assert update_target_verify_buffers(sglang, backend, 1, torch.ones(1), torch.zeros(1), spec) == "sglang"
+    monkeypatch.setenv(METADATA_ENV, "sglang")
+    assert update_target_verify_buffers(sglang, plain, 1, torch.ones(1), torch.zeros(1), DFlashVerifyInput()) == \
+        "sglang"
+    monkeypatch.setenv(METADATA_ENV, "bogus")
+    with pytest.raises(ValueError, match=METADATA_ENV):
+        update_target_verify_buffers(sglang, plain, 1, torch.ones(1), torch.zeros(1), DFlashVerifyInput())
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     return run_interpreted(__file__)
 
 
 def test_interpreted_kernels_equal_torch_twins(interpreted):
-    assert len(interpreted) == len(CASES) + len(BLOCK_CASES)
+    assert len(interpreted) == len(CASES) + len(BLOCK_CASES) + len(META_CASES) + 3
     assert all(interpreted.values()), f"cases that differ: {[k for k, ok in interpreted.items() if not ok]}"
 
 

@@ -32,6 +32,7 @@ _TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAtt
 _SPEC_EXTRAS = "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras"
 _XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
+_TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers"
 
 
 def env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
@@ -73,6 +74,8 @@ def register() -> None:
     HookRegistry.register(_CAPTURE, _configure_capture, around)
     # our verify-attention kernel for DFLASH TARGET_VERIFY batches on the triton backend (GPU; CPU uses torch_native)
     HookRegistry.register(_TRITON_EXTEND, _triton_forward_extend, around)
+    # and its graph-replay metadata (qo/kv index pointers, prefix slots) in one launch instead of eight
+    HookRegistry.register(_TRITON_VERIFY_BUFFERS, _triton_verify_buffers, around)
     HookRegistry.register(_TOKENIZED, _refuse_unapplied_sampling, around)
     HookRegistry.register(_VALIDATE_DFLASH, _validate_dflash_request, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
@@ -118,6 +121,12 @@ def _create_worker(original, self, server_args):
     logger.info("sglang-dflash: DFLASH runs sglang_dflash.serving.worker.DFlashWorker (set %s=builtin for "
                 "SGLang's builtin worker)", WORKER_ENV)
     return DFlashWorker
+
+
+def _triton_verify_buffers(original, self, *args, **kwargs):
+    from .verify_metadata import update_target_verify_buffers
+
+    return update_target_verify_buffers(original, self, *args, **kwargs)
 
 
 def _check_draft_path(original, *args, **kwargs):

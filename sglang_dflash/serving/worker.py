@@ -257,12 +257,13 @@ class DFlashWorker(BaseSpecWorker):
         self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
         # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1 (none when k = 0)
+        block_lens = None  # host-side lengths of a full block: the draft's, and the full-width verify's
         if k > 0:
+            block_lens = self._host_lens(batch, state, B)
             verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
             block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs, verify_ids)
             with _phase("dflash.draft"):
-                drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
-                                     bs, k)
+                drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, block_lens, bs, k)
             verify_ids[:, 1:] = drafts
             # contiguous: a [bs, W] slice of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
             positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
@@ -274,8 +275,9 @@ class DFlashWorker(BaseSpecWorker):
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
         # (the verify forward also commits the rows' context K/V into the draft cache: context_commit.py)
         with _phase("dflash.verify"), self._widths.target_at(W):
-            logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, self._host_lens(batch, state, W),
-                                           bs, W)
+            logits, graphed = self._verify(batch, verify_ids, positions, cache_loc,
+                                           self._host_lens(batch, state, W) if block_lens is None or W != B
+                                           else block_lens, bs, W)
 
         # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
         #    on the rows processed as plain decoding would (penalties, min_new_tokens, grammar, logit_bias: each row
@@ -307,16 +309,13 @@ class DFlashWorker(BaseSpecWorker):
         return block_ids, positions, cache_loc
 
     def _plain_inputs(self, batch, bonus, prefix, bs):
-        """The k = 0 step's [bs, 1] ids, positions and KV slots: the bonus token at position prefix."""
-        ids, positions, cache_loc = self._verify_ids[:bs], self._plain_positions[:bs], self._plain_cache_loc[:bs]
-        ids.copy_(bonus)  # our buffer: the verify's input ids must not alias the scheduler's state
-        positions.copy_(prefix[:, None])
-        cache_loc.copy_(self._kv_slots(batch, positions))
-        return ids[:, None], positions, cache_loc
-
-    def _kv_slots(self, batch, positions):
-        """[bs, W] positions -> the KV slots the scheduler reserved for them (its req_to_token rows)."""
-        return self.req_to_token_pool.req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
+        """The k = 0 step's [bs, 1] ids, positions and KV slots: the bonus token at position prefix; a block of one
+        token, so the block-inputs launch writes them all (ids into our buffer: the verify's input ids must not
+        alias the scheduler's state)."""
+        ids, positions, cache_loc = self._verify_ids[:bs, None], self._plain_positions[:bs], self._plain_cache_loc[:bs]
+        self._fill_block_inputs(bonus, prefix, batch.req_pool_indices, self.req_to_token_pool.req_to_token,
+                                self.cfg.mask_token_id, ids, positions, cache_loc, ids)
+        return ids, positions, cache_loc
 
     def _host_lens(self, batch, state, width):
         """Host-side upper bounds of the attended lengths (committed + width), for backends that plan on the host."""
