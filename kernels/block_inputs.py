@@ -9,7 +9,7 @@ Before the draft pass, request ``r`` (bonus token ``b``, committed length ``p``,
 
 In torch that is five or six small launches (two copies, an add, the index gather and its casts) on the host path of
 every step; ``block_inputs`` writes all four with one. ``block_inputs_torch`` is the same function in torch: the CPU
-path and the kernel's reference (``tests/test_greedy_accept.py``, Triton's interpreter on CPU).
+path and the kernel's reference (``tests/test_step_kernels.py``, Triton's interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def block_inputs(bonus, prefix, pool_rows, req_to_token, mask_id: int, block_ids
     if bs:
         _block_inputs_kernel[(bs,)](bonus, prefix, pool_rows, req_to_token, req_to_token.stride(0), mask_id,
                                     block_ids, positions, cache_loc, verify_ids, verify_ids.stride(0), B,
-                                    BLOCK=triton.next_power_of_2(B))
+                                    BLOCK=max(triton.next_power_of_2(B), 16))  # lanes past B are masked
 
 
 def block_inputs_torch(bonus, prefix, pool_rows, req_to_token, mask_id: int, block_ids, positions, cache_loc,

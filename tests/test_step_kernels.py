@@ -4,7 +4,7 @@ The Triton kernels run under ``TRITON_INTERPRET=1`` in a subprocess (the variabl
 imported); on CUDA natively too. Greedy accept: every accepted length 0..W-1 (all drafts rejected, some, all), widths
 2..32 (non-powers of two), drafts read as a column slice of the verify ids (stride W), int32 / int64 committed
 lengths; its twin equals the foundation's rule (``acceptance.verify_greedy``). Block inputs: int32 req_to_token rows
-in a permuted order, int32 / int64 lengths, block sizes 4..16, verify ids of another width.
+in a permuted order, int32 / int64 lengths, block sizes 1..16 (1: the k = 0 step), verify ids of another width.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def block_case(bs: int, B: int, W: int, dt: torch.dtype, seed: int, device: str 
         {k: v.to(device) for k, v in outs.items()}
 
 
-BLOCK_CASES = [(1, 16, 16, torch.int64), (5, 16, 8, torch.int32), (9, 4, 2, torch.int64), (3, 13, 13, torch.int32)]
+BLOCK_CASES = [(1, 16, 16, torch.int64), (5, 16, 8, torch.int32), (9, 4, 2, torch.int64), (3, 13, 13, torch.int32),
+               (4, 1, 1, torch.int64)]  # B = 1: the k = 0 step's inputs
 
 # verify metadata: (bs, W, length dtype, mask pointers): over 128 requests (several prefix-sum iterations), rows over
 # 512 slots (several copy iterations), zero-length padded rows, W = 1
