@@ -62,11 +62,13 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy_site "${WHEELS:-/tmp/wheels}"/py_spy-*.whl
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
       for mr in ${HOST_MAXRUN:-128}; do
-        common=$(echo "$COMMON_SMOL" | sed -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
+        common=$(echo "$COMMON_SMOL" | sed \
+          -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
           -e "s/--cuda-graph-max-bs-decode [0-9]*/--cuda-graph-max-bs-decode $mr/" \
           -e "s/--max-running-requests [0-9]*/--max-running-requests $mr/")
-        python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" --py-spy /tmp/pyspy_site/bin/py-spy \
-          --methods "${HOST_METHODS:-none,builtin,ours-fixed}" --concurrency "${HOST_CONC:-1}" --vocab 49000 \
+        python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" \
+          --py-spy /tmp/pyspy_site/bin/py-spy --methods "${HOST_METHODS:-none,builtin,ours-fixed}" \
+          --concurrency "${HOST_CONC:-1}" --vocab 49000 \
           --seconds "${HOST_S:-20}" --out $JOB/host-mr$mr --wait-s 300 --common-args "$common"
       done ;;
     smolprof)

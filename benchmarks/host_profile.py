@@ -32,7 +32,7 @@ from pathlib import Path
 from sglang_dflash.testing import Server
 
 from . import driver
-from .profile_step import Load, _post
+from .profile_step import Load, _post, add_load_args
 from .step_times import read_log, step_ms
 
 LOOP_PREFIX = "event_loop"  # Scheduler.event_loop_overlap / event_loop_normal (and their PP / disagg variants)
@@ -143,15 +143,25 @@ def profile_method(args, dargs, method: str, out: Path) -> dict:
         srv.stop(dargs.stop_wait_s)
     if not raw.exists():
         return {"skipped": "py-spy wrote no samples", "log_tail": srv.log_tail()}
-    result = summarise(parse_raw(raw.read_text(errors="replace").splitlines()), args.top)
-    times = step_ms(read_log(log))
-    if c in times:
-        result["step_ms"], result["step_log_lines"] = times[c]["ms"], times[c]["lines"]
+    result = with_step_time(summarise(parse_raw(raw.read_text(errors="replace").splitlines()), args.top), log, c)
     for path in (raw, log):  # keep them, compressed
         with open(path, "rb") as src, gzip.open(str(path) + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         path.unlink()
     return result
+
+
+def with_step_time(result: dict, log: Path | None, concurrency: int) -> dict:
+    """The summary plus the server's own ms per decode step at this batch size (``step_times``), where logged."""
+    times = step_ms(read_log(log)) if log is not None and log.exists() else {}
+    if concurrency in times:
+        result["step_ms"], result["step_log_lines"] = times[concurrency]["ms"], times[concurrency]["lines"]
+    return result
+
+
+def write_results(out: Path, results: dict) -> None:
+    (out / "host_profile.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "host_profile.md").write_text(markdown(results))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,41 +172,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=8.0, help="load before sampling starts")
     p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=30000)
     p.add_argument("--top", type=int, default=60)
-    p.add_argument("--wait-s", type=float, default=300)
-    p.add_argument("--out", required=True)
+    add_load_args(p)
     p.add_argument("--summarise", nargs="*", help="only summarise these stored py-spy files (no servers) into --out")
     args, rest = p.parse_known_args(argv)
-    if args.summarise:  # re-read stored samples (and the server log beside each, for the step time)
-        results = {}
-        for f in map(Path, args.summarise):
-            opener = gzip.open if f.suffix == ".gz" else open
-            with opener(f, "rt", errors="replace") as fh:
-                r = summarise(parse_raw(fh), args.top)
-            method = f.name.split(".pyspy")[0]
-            log = next((g for g in (f.with_name(method + ".server.log.gz"), f.with_name(method + ".server.log"))
-                        if g.exists()), None)
-            times = step_ms(read_log(log)) if log else {}
-            if int(args.concurrency) in times:
-                r["step_ms"], r["step_log_lines"] = (times[int(args.concurrency)][k] for k in ("ms", "lines"))
-            results[method] = r
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "host_profile.json").write_text(json.dumps(results, indent=1) + "\n")
-        (out / "host_profile.md").write_text(markdown(results))
-        print(markdown(results))
-        return 0
-    dargs = driver.parser().parse_args(rest + ["--out", args.out])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for method in args.methods.split(","):
-        results[method] = profile_method(args, dargs, method, out)
-        (out / "host_profile.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "host_profile.md").write_text(markdown(results))
+    if args.summarise:  # re-read stored samples (and the server log beside each, for the step time)
+        for f in map(Path, args.summarise):
+            opener = gzip.open if f.suffix == ".gz" else open
+            with opener(f, "rt", errors="replace") as fh:
+                method = f.name.split(".pyspy")[0]
+                results[method] = with_step_time(summarise(parse_raw(fh), args.top),
+                                                 f.with_name(method + ".server.log.gz"), int(args.concurrency))
+    else:
+        dargs = driver.parser().parse_args(rest + ["--out", args.out])
+        for method in args.methods.split(","):
+            results[method] = profile_method(args, dargs, method, out)
+            write_results(out, results)  # after every method: a later failure keeps the earlier ones
+    write_results(out, results)
     print(markdown(results))
     return 0
 

@@ -292,17 +292,22 @@ def profile_method(args, dargs, method: str, out: Path) -> dict:
         srv.stop(dargs.stop_wait_s)
 
 
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The options of the closed-loop load (``Load``) and the server wait, shared with ``host_profile``."""
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--wait-s", type=float, default=300)
+    p.add_argument("--out", required=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="ours,builtin")
     p.add_argument("--concurrency", default="32", help="comma-separated levels, each profiled on the same server")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup-s", type=float, default=12.0)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=30000)
-    p.add_argument("--wait-s", type=float, default=300)
-    p.add_argument("--out", required=True)
+    add_load_args(p)
     p.add_argument("--summarise", nargs="*", help="only summarise these trace files (no servers)")
     args, rest = p.parse_known_args(argv)
     if args.summarise:

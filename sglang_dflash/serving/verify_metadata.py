@@ -14,6 +14,7 @@ ours.
 
 from __future__ import annotations
 
+from ..kernels.verify_metadata import verify_metadata
 from .plugin import env_choice
 
 METADATA_ENV = "SGLANG_DFLASH_VERIFY_METADATA"
@@ -24,8 +25,6 @@ def update_target_verify_buffers(original, self, bs, seq_lens, req_pool_indices,
     """AROUND hook on ``TritonAttnBackend._update_target_verify_buffers`` (same arguments, same return value)."""
     if not _ours_serves(self, spec_info):
         return original(self, bs, seq_lens, req_pool_indices, spec_info)
-    from ..kernels.verify_metadata import verify_metadata
-
     qo_indptr, kv_indptr, mask_indptr = self.qo_indptr[: bs + 1], self.kv_indptr[: bs + 1], self.mask_indptr[: bs + 1]
     verify_metadata(seq_lens, req_pool_indices, self.req_to_token, int(spec_info.draft_token_num), qo_indptr,
                     kv_indptr, self.cuda_graph_kv_indices, mask_indptr)

@@ -275,9 +275,8 @@ class DFlashWorker(BaseSpecWorker):
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
         # (the verify forward also commits the rows' context K/V into the draft cache: context_commit.py)
         with _phase("dflash.verify"), self._widths.target_at(W):
-            logits, graphed = self._verify(batch, verify_ids, positions, cache_loc,
-                                           self._host_lens(batch, state, W) if block_lens is None or W != B
-                                           else block_lens, bs, W)
+            verify_lens = block_lens if W == B else self._host_lens(batch, state, W)  # W = B: k > 0, lens set
+            logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, verify_lens, bs, W)
 
         # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
         #    on the rows processed as plain decoding would (penalties, min_new_tokens, grammar, logit_bias: each row
