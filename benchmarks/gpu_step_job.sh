@@ -15,9 +15,12 @@
 #   kerneltests  the GPU cases of tests/test_step_kernels.py and tests/test_kernels.py (pytest from the wheels in
 #          $WHEELS (/tmp/wheels; the starting call copies .carry/wheels there: the device stack has no pytest)
 #                                                                                          -> /tmp/job/kerneltests
-#   host   host_profile (py-spy from $WHEELS), SmolLM2 + DRAFTER: HOST_METHODS (none,builtin,ours-fixed) at
-#          HOST_CONC (1), once per --max-running-requests in HOST_MAXRUN ("128"; the decode graphs follow it),
-#          memory fraction HOST_MEM (0.5; lower it to share the GPU with another job)      -> /tmp/job/host-mr<N>
+#   host   host_profile (py-spy from $WHEELS), SmolLM2 + DRAFTER: HOST_METHODS (none,builtin,ours-fixed), once
+#          per concurrency in HOST_CONC ("1") and --max-running-requests in HOST_MAXRUN ("128"; the decode graphs
+#          follow it), memory fraction HOST_MEM (0.5; lower it to share the GPU with another job)
+#                                                                             -> /tmp/job/host-mr<N>[-c<C>]
+#   tau    the reference engine's held-out tau of DRAFTER on SmolLM2 in float32, T = 0 and 1 (TAU_PROMPTS, the
+#          carried prompts file: /tmp/prompts7.pt)                                             -> /tmp/job/tau
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
@@ -66,11 +69,21 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
           -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
           -e "s/--cuda-graph-max-bs-decode [0-9]*/--cuda-graph-max-bs-decode $mr/" \
           -e "s/--max-running-requests [0-9]*/--max-running-requests $mr/")
-        python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" \
-          --py-spy /tmp/pyspy_site/bin/py-spy --methods "${HOST_METHODS:-none,builtin,ours-fixed}" \
-          --concurrency "${HOST_CONC:-1}" --vocab 49000 \
-          --seconds "${HOST_S:-20}" --out $JOB/host-mr$mr --wait-s 300 --common-args "$common"
+        for conc in ${HOST_CONC:-1}; do
+          dir=$JOB/host-mr$mr; [ "${HOST_CONC:-1}" = 1 ] || dir=$dir-c$conc
+          python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" \
+            --py-spy /tmp/pyspy_site/bin/py-spy --methods "${HOST_METHODS:-none,builtin,ours-fixed}" \
+            --concurrency "$conc" --vocab 49000 \
+            --seconds "${HOST_S:-20}" --out "$dir" --wait-s 300 --common-args "$common"
+        done
       done ;;
+    tau)
+      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      mkdir -p $JOB/tau
+      python3 -m sglang_dflash.train eval --target smollm2 --hf-dir /tmp/smollm2 --drafter "$DRAFTER" \
+        --prompts "${TAU_PROMPTS:-/tmp/prompts7.pt}" --device cuda --dtype float32 --n-eval 32 --eval-new-tokens 128 \
+        --temperatures 0 1 --eval-batch 32 --out $JOB/tau/tau.json --results-dir $JOB/tau/drafters \
+        > $JOB/tau/tau.log 2>&1 ;;
     smolprof)
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
       python3 -m benchmarks.profile_step --target /tmp/smollm2 --draft "$DRAFTER" \
@@ -100,7 +113,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests host-mr* 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"
