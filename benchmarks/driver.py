@@ -14,7 +14,12 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   recorded as skipped with the reason, so builtin numbers can never appear under our name.
 - ``ours-fixed``: ours with adaptive speculation off (every step verifies the full block, as the builtin does);
 - ``ours-k<N>``: ours with the verify width pinned to N drafts per step (``ours-k0``: plain decode steps through
-  our worker), to measure each width the adaptive policy chooses from.
+  our worker), to measure each width the adaptive policy chooses from;
+- ``<method>-rerun``: the same server as ``<method>``, run again under its own name. ``--bracket`` appends the
+  first method's rerun after all the others, so the report's ``<first>-rerun/<first>`` column is the run's own drift:
+  on a host-bound target, plain decoding alone moved by up to 1.7x between runs in one loan, and the first server on
+  a fresh machine ran 20-30% slow throughout (benchmarks/results/smollm2-run8-h100). A ratio between methods smaller
+  than that drift is not a result.
 
 Every server gets identical arguments (``--common-args``, plus the speculative ones for builtin/ours), is started
 in its own session (setsid) with its PID recorded, polled on ``/health`` for at most ``--wait-s`` seconds while
@@ -38,6 +43,7 @@ from pathlib import Path
 from sglang_dflash.testing import WORKER_ENV, Server, server_argv as launch_argv
 
 from . import bench, report
+from .report import RERUN  # a method's name with this suffix runs the same server again (--bracket)
 
 DEFAULT_COMMON = ("--attention-backend triton --sampling-backend pytorch --grammar-backend none "
                   "--mem-fraction-static 0.8 --cuda-graph-max-bs-decode 128 --max-running-requests 128 --trust-remote-code")
@@ -53,7 +59,10 @@ PLUGIN_CHECK = (
 
 
 def method_variant(method: str) -> tuple[str, dict]:
-    """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls."""
+    """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls,
+    ``<method>-rerun`` is ``<method>`` again."""
+    if method.endswith(RERUN):
+        return method_variant(method[:-len(RERUN)])
     if method == "ours-fixed":
         return "ours", {"SGLANG_DFLASH_ADAPTIVE": "0"}
     m = re.fullmatch(r"ours-k(\d+)", method)
@@ -61,7 +70,8 @@ def method_variant(method: str) -> tuple[str, dict]:
         return "ours", {"SGLANG_DFLASH_K": m.group(1)}
     if method in ("none", "builtin", "ours"):
         return method, {}
-    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed or ours-k<N>")
+    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed or ours-k<N>, "
+                     f"optionally followed by {RERUN}")
 
 
 def server_argv(args, method: str) -> list[str]:
@@ -176,6 +186,8 @@ def parser() -> argparse.ArgumentParser:
                    help="regex that must appear in the ours server's log to prove our worker ran")
     p.add_argument("--wait-s", type=float, default=600.0, help="bound on waiting for /health")
     p.add_argument("--stop-wait-s", type=float, default=30.0)
+    p.add_argument("--bracket", action="store_true",
+                   help=f"run the first method again after the others (as <first>{RERUN}): the run's own drift")
     p.add_argument("--title", default=None)
     return p
 
@@ -202,10 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_signal)
-    for m in args.methods.split(","):
-        run_method(args, m.strip(), bench_argv, out, driver_info)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        method_variant(m)  # an unknown name stops the run before any server starts
+    if args.bracket and methods and not methods[0].endswith(RERUN):
+        methods.append(methods[0] + RERUN)
+    for m in methods:
+        run_method(args, m, bench_argv, out, driver_info)
     (out / "driver.json").write_text(json.dumps(driver_info, indent=1) + "\n")
-    report.main([str(out), "--title", args.title or f"{Path(args.target).name}: " + ", ".join(args.methods.split(","))])
+    report.main([str(out), "--title", args.title or f"{Path(args.target).name}: " + ", ".join(methods)])
     return 0
 
 

@@ -7,7 +7,9 @@
 #   fixed  the same for ours-fixed at T = 0 and T = 1 (acceptance ~1 at both temperatures, so the tok/s ratio is
 #          the sampled verify's cost)                                                              -> /tmp/job/cost
 #   smol   driver, SmolLM2-135M-Instruct (staged at /tmp/smollm2 by gpu_stage.sh) + the shipped drafter:
-#          none / ours-fixed / builtin / ours, greedy, c = 1, 8, real prompts                       -> /tmp/job/smol
+#          none / ours-fixed / builtin / ours, greedy, c = 1, 8, real prompts, then none again (--bracket:
+#          plain decoding's own drift, which on this host-bound target can exceed the methods' differences)
+#                                                                                                 -> /tmp/job/smol
 #   trace  what each width's steps really cost, with the per-step trace of our servers (SGLANG_DFLASH_STEP_TRACE,
 #          benchmarks/step_trace.py): Qwen3-8B shape none / ours-k0 / ours at c = 1, 8, 32 -> /tmp/job/trace8b;
 #          SmolLM2 none / ours-k0 / ours / builtin, humaneval + gsm at c = 1, 8            -> /tmp/job/tracesmol
@@ -92,7 +94,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
     smol)
       for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
       python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
-        --methods "${SMOL_METHODS:-none,ours-fixed,builtin,ours}" --out $JOB/smol --wait-s 200 \
+        --methods "${SMOL_METHODS:-none,ours-fixed,builtin,ours}" --bracket --out $JOB/smol --wait-s 200 \
         --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter, H100" -- \
         --datasets "${SMOL_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${SMOL_CONC:-1,8}" \
         --max-new-tokens 192 --rounds 1 --min-convs "${SMOL_CONVS:-16}" --warmup 2 --no-progress

@@ -25,6 +25,7 @@ from pathlib import Path
 from . import stats
 
 ORDER = ("none", "builtin", "ours")
+RERUN = "-rerun"  # benchmarks/driver.py: a method run again (--bracket)
 REFERENCE_TAUS = (3.0, 5.0, 6.5, 8.0)  # anchors.md: MT-Bench ~4.3, HumanEval ~6.6, GSM8K ~6.6, MATH-500 ~7.8 (Qwen3-8B)
 
 
@@ -113,6 +114,16 @@ def build_summary(run_dir: Path, baseline: str = "none") -> dict:
             t[1] += l["verify_steps"]
     tau_table = {m: {k: round(a / b, 3) for k, (a, b) in v.items()} for m, v in taus.items()}
 
+    # a method run again after the others (the driver's --bracket): its ratio to the first run is the run's drift
+    drift = {}
+    for m in methods:
+        base_m = m[:-len(RERUN)] if m.endswith(RERUN) else None
+        if base_m in by:
+            r = [by[m][k]["output_tok_s"] / by[base_m][k]["output_tok_s"] for k in by[m]
+                 if by[base_m].get(k) and by[base_m][k].get("output_tok_s") and by[m][k].get("output_tok_s")]
+            if r:
+                drift[m] = {"of": base_m, "min": round(min(r), 3), "max": round(max(r), 3), "levels": len(r)}
+
     first = results[methods[0]] if methods else {}
     return {"run_dir": str(run_dir), "baseline": baseline, "methods": methods, "random_weights": random_weights,
             "skipped": {m: s["skipped"] for m, s in skipped.items()},
@@ -121,7 +132,7 @@ def build_summary(run_dir: Path, baseline: str = "none") -> dict:
             "driver": (json.loads((run_dir / "driver.json").read_text()) if (run_dir / "driver.json").exists()
                        else first.get("driver")),
             "notes": sorted({n for r in results.values() for n in r.get("notes", [])}),
-            "rows": rows, "crosscheck": cross, "tau": tau_table}
+            "rows": rows, "crosscheck": cross, "tau": tau_table, "drift": drift}
 
 
 def _fmt(x, nd=1):
@@ -149,6 +160,10 @@ def markdown(s: dict, title: str = "Benchmark") -> str:
         L.append(f"- **{m}: not run** - {why}")
     for n in s["notes"]:
         L.append(f"- {n}")
+    for m, d in (s.get("drift") or {}).items():
+        L.append(f"- **Drift of this run:** `{m}` is `{d['of']}`'s server run again after the others; its tok/s is "
+                 f"{d['min']:.2f}-{d['max']:.2f}x the first run's over {d['levels']} levels. Ratios between methods "
+                 "inside that range are not results.")
     L.append("")
     head = ["dataset", "T", "c"] + [f"{m} tok/s" for m in ms]
     for m in spec:

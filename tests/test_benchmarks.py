@@ -227,6 +227,35 @@ def test_driver_runs_methods_and_skips_ours(tmp_path, monkeypatch):
         wait_health(f"http://127.0.0.1:{port}", timeout=1)
 
 
+def test_driver_bracket_reruns_the_first_method(tmp_path):
+    """--bracket runs the first method's server again after the others, under its own name; the report gives the
+    rerun's ratio to the first run (the run's drift) and cross-checks the rerun's outputs like any method's."""
+    from benchmarks import driver, report
+
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f"#!/bin/bash\nshift 2\ncd {ROOT} && exec {sys.executable} -m benchmarks.fake_server \"$@\"\n")
+    wrapper.chmod(0o755)
+    out = tmp_path / "run"
+    rc = driver.main(["--target", "/x", "--python", str(wrapper), "--methods", "none", "--bracket", "--out", str(out),
+                      "--port", str(free_port()), "--wait-s", "30", "--stop-wait-s", "5", "--",
+                      "--datasets", "random", "--concurrency", "1,2", "--temperatures", "0", "--max-new-tokens", "4",
+                      "--min-convs", "2", "--no-progress", "--warmup", "0"])
+    assert rc == 0
+    info = json.loads((out / "driver.json").read_text())
+    assert list(info["server_commands"]) == ["none", "none-rerun"]
+    assert info["server_commands"]["none-rerun"] == info["server_commands"]["none"]  # the same server again
+    s = json.loads((out / "summary.json").read_text())
+    assert s["methods"] == ["none", "none-rerun"]
+    d = s["drift"]["none-rerun"]
+    assert d["of"] == "none" and d["levels"] == 2 and 0 < d["min"] <= d["max"]
+    assert s["crosscheck"]["none-rerun"]["random"]["exact_frac"] == 1.0  # the fake server is deterministic
+    assert "Drift of this run" in (out / "summary.md").read_text()
+    assert driver.method_variant("ours-fixed" + report.RERUN) == driver.method_variant("ours-fixed")
+    with pytest.raises(SystemExit, match="unknown method"):  # before any server starts
+        driver.main(["--target", "/x", "--methods", "none,nonsense", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad" / "none.json").exists()
+
+
 def test_driver_ours_requires_log_marker(tmp_path, monkeypatch):
     """Even with the plugin 'available', ours is skipped unless its log proves our worker ran."""
     from benchmarks import driver
