@@ -51,7 +51,8 @@ def greedy_accept(target_ids: torch.Tensor, drafts: torch.Tensor, prefix: torch.
     """(commit_lens, tokens, next_ids, bonus, accept_lens, new_lens) of a greedy verify, in one launch (CUDA).
 
     target_ids [bs, W] int64 contiguous; drafts [bs, W-1] int64 with unit column stride (a column slice of the
-    verify ids is fine); prefix [bs] (the committed lengths, any integer dtype; new_lens keeps it)."""
+    verify ids is fine; W = 1, a plain step, has none); prefix [bs] (the committed lengths, any integer dtype;
+    new_lens keeps it). At least 16 lanes (masked past W), so W = 1 compiles like any other width."""
     bs, w = target_ids.shape
     if drafts.shape != (bs, w - 1) or (w > 1 and drafts.stride(1) != 1) or not target_ids.is_contiguous():
         raise ValueError(f"greedy_accept: target_ids {tuple(target_ids.shape)} (contiguous), drafts "
@@ -65,7 +66,7 @@ def greedy_accept(target_ids: torch.Tensor, drafts: torch.Tensor, prefix: torch.
     new_lens = torch.empty_like(prefix)
     if bs:
         _greedy_accept_kernel[(bs,)](target_ids, drafts, drafts.stride(0) if w > 1 else 0, prefix, tokens, next_ids,
-                                     bonus, commit, accept32, new_lens, w, BLOCK=triton.next_power_of_2(w))
+                                     bonus, commit, accept32, new_lens, w, BLOCK=max(triton.next_power_of_2(w), 16))
     return commit, tokens, next_ids, bonus, accept32, new_lens
 
 

@@ -2,8 +2,8 @@
 
 The Triton kernels run under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set before triton is first
 imported); on CUDA natively too. Greedy accept: every accepted length 0..W-1 (all drafts rejected, some, all), widths
-2..32 (non-powers of two), drafts read as a column slice of the verify ids (stride W), int32 / int64 committed
-lengths; its twin equals the foundation's rule (``acceptance.verify_greedy``). Block inputs: int32 req_to_token rows
+1..32 (non-powers of two; 1 is a plain step, no drafts), drafts read as a column slice of the verify ids (stride W),
+int32 / int64 committed lengths; its twin equals the foundation's rule (``acceptance.verify_greedy``). Block inputs: int32 req_to_token rows
 in a permuted order, int32 / int64 lengths, block sizes 1..16 (1: the k = 0 step), verify ids of another width.
 """
 
@@ -38,8 +38,8 @@ def make_case(bs: int, width: int, prefix_dtype: torch.dtype, seed: int, device:
     return target.to(device), verify_ids.to(device), prefix.to(device)
 
 
-CASES = [(bs, w, dt) for bs, w in ((1, 2), (3, 4), (17, 16), (40, 8), (33, 32), (5, 13)) for dt in (torch.int64,
-                                                                                                     torch.int32)]
+CASES = [(bs, w, dt) for bs, w in ((1, 2), (3, 4), (17, 16), (40, 8), (33, 32), (5, 13), (1, 1), (6, 1))
+         for dt in (torch.int64, torch.int32)]  # W = 1: a plain (k = 0) step
 
 
 def block_case(bs: int, B: int, W: int, dt: torch.dtype, seed: int, device: str = "cpu"):

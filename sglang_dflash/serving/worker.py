@@ -116,7 +116,6 @@ class DFlashWorker(BaseSpecWorker):
         self._verify_ids = torch.empty((cap * B,), dtype=torch.int64, device=dev)
         self._plain_positions = torch.empty((cap, 1), dtype=torch.int64, device=dev)  # k = 0 steps
         self._plain_cache_loc = torch.empty((cap, 1), dtype=torch.int64, device=dev)
-        self._ones32 = torch.ones((cap,), dtype=torch.int32, device=dev)  # a k = 0 step commits one token per row
         self._graph_drafts = torch.empty((cap, B - 1), dtype=torch.int64, device=dev)  # the draft graphs' head output
         self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
         # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
@@ -372,17 +371,11 @@ class DFlashWorker(BaseSpecWorker):
     def _accept(self, batch, verify_ids, logits, prefix):
         """(commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens) of the step: the acceptance rule, then
         the outputs SGLang's scheduler reads (kernels/greedy_accept.commit_outputs defines them)."""
-        bs, W = verify_ids.shape
         info = batch.sampling_info
-        greedy = info is None or info.is_all_greedy
-        if greedy and W > 1:  # the rule and the outputs in one launch on the GPU
+        if info is None or info.is_all_greedy:  # the rule and the outputs in one launch on the GPU (k = 0 too)
             return self._greedy_accept(logits.argmax(dim=-1), verify_ids[:, 1:], prefix)
-        commit_lens, tokens = (_plain_greedy(logits) if greedy else self._sampled(info, verify_ids[:, 1:], logits))
-        if W > 1:
-            return (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
-        # a plain step: one token per row, never -1 padding; a copy, so the result and the next state share no memory
-        next_ids = tokens.reshape(-1)
-        return commit_lens, tokens, next_ids, next_ids.clone(), self._ones32[:bs], prefix + 1
+        commit_lens, tokens = self._sampled(info, verify_ids[:, 1:], logits)
+        return (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
 
     def _sampled(self, info, drafts, logits):
         bs, B, V = logits.shape
@@ -398,12 +391,6 @@ class DFlashWorker(BaseSpecWorker):
             return verify_sampled_logits(drafts, logits, s.temperature)
         probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B)).view(bs, B, V)
         return verify_sampled(drafts, probs)
-
-
-def _plain_greedy(logits: torch.Tensor):
-    """A plain (k = 0) greedy step's (commit_lens, tokens): the argmax, one token per row; 2 launches."""
-    next_token = logits[:, 0].argmax(dim=-1)
-    return torch.ones_like(next_token), next_token[:, None]
 
 
 def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:

@@ -52,12 +52,13 @@ def ours(rows: list[dict]) -> SamplingTensors:
     return SamplingTensors.from_params([SamplingParams(**r) for r in rows], V)
 
 
-def inputs(n: int, seed: int = 0):
+def inputs(n: int, seed: int = 0, width: int = B):
+    """(drafts [n, width-1], logits [n, width, V]); width 1 is a plain (k = 0) step: no drafts."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(n, B, V, generator=g) * 3
+    logits = torch.randn(n, width, V, generator=g) * 3
     # drafts: the target's argmax at some positions (so greedy rows accept a few), random elsewhere
-    drafts = torch.where(torch.rand(n, B - 1, generator=g) < 0.7, logits[:, :-1].argmax(-1),
-                         torch.randint(0, V, (n, B - 1), generator=g))
+    drafts = torch.where(torch.rand(n, width - 1, generator=g) < 0.7, logits[:, :-1].argmax(-1),
+                         torch.randint(0, V, (n, width - 1), generator=g))
     return drafts, logits
 
 
@@ -84,7 +85,7 @@ def run_accept(rows, drafts, logits, monkeypatch, bug=None):
 
         plant(monkeypatch, worker.DFlashWorker, "_sampled", *bug)
     n = drafts.shape[0]
-    me = SimpleNamespace(_greedy_accept=greedy_accept_torch, _ones32=torch.ones(n, dtype=torch.int32))
+    me = SimpleNamespace(_greedy_accept=greedy_accept_torch)
     me._sampled = lambda *a: worker.DFlashWorker._sampled(me, *a)
     verify_ids = torch.cat([torch.zeros(n, 1, dtype=drafts.dtype), drafts], dim=1)  # [bonus, drafts]
     prefix = torch.arange(n) + 10
@@ -106,8 +107,8 @@ CASES = {
 }
 
 
-def check_mapping(rows, monkeypatch, bug=None):
-    drafts, logits = inputs(len(rows))
+def check_mapping(rows, monkeypatch, bug=None, width=B):
+    drafts, logits = inputs(len(rows), width=width)
     commit, tokens, probs = run_accept(rows, drafts, logits, monkeypatch, bug)
     greedy_rows = torch.tensor([r["temperature"] == 0 for r in rows])
     g_commit, g_tokens = acceptance.verify_greedy(drafts, logits)
@@ -117,13 +118,23 @@ def check_mapping(rows, monkeypatch, bug=None):
     if greedy_rows.all():
         return
     assert probs is not None, "a batch with sampled rows did not go through verify_sampled(_logits)"
-    want = processed_probs(logits.reshape(-1, V), ours(rows).repeat_interleave(B)).view(len(rows), B, V)
+    want = processed_probs(logits.reshape(-1, V), ours(rows).repeat_interleave(width)).view(len(rows), width, V)
     torch.testing.assert_close(probs, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_accept_maps_sampling_info_to_our_distribution(case, monkeypatch):
     check_mapping(CASES[case], monkeypatch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plain_step_takes_the_same_path(case, monkeypatch):
+    """A k = 0 step (width 1, no drafts) goes through the same rules and output definition as a drafted one: one
+    token per row, the argmax for greedy rows, a sample of the same distribution for the others."""
+    check_mapping(CASES[case], monkeypatch, width=1)
+    drafts, logits = inputs(len(CASES[case]), width=1)
+    commit, tokens, _ = run_accept(CASES[case], drafts, logits, monkeypatch)
+    assert torch.equal(commit, torch.ones_like(commit)) and tokens.shape == (len(CASES[case]), 1)
 
 
 def test_greedy_rows_in_a_mixed_batch_accept_several_drafts(monkeypatch):
