@@ -42,6 +42,10 @@ COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-bac
 DRAFTER=${DRAFTER:-sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16}  # the SmolLM2 phases' drafter
 [ -d "$SHAPE_DIR" ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b "$SHAPE_DIR" || exit 1
 
+wait_smollm2() {  # the SmolLM2 phases start once gpu_stage.sh has converted the target (up to 10 min)
+  for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+}
+
 run_8b() {  # METHODS TEMPERATURES: gpu_cost_run.sh into $JOB/cost (its report covers every method run so far)
   OUT= RUN=$JOB/cost SHAPE=qwen3-8b METHODS="$1" TEMPERATURES="$2" ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_8B" \
     bash benchmarks/gpu_cost_run.sh
@@ -65,7 +69,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
     host)
       mkdir -p /tmp/pyspy_site
       python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy_site "${WHEELS:-/tmp/wheels}"/py_spy-*.whl
-      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      wait_smollm2
       for mr in ${HOST_MAXRUN:-128}; do
         common=$(echo "$COMMON_SMOL" | sed \
           -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
@@ -80,19 +84,19 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         done
       done ;;
     tau)
-      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      wait_smollm2
       mkdir -p $JOB/tau
       python3 -m sglang_dflash.train eval --target smollm2 --hf-dir /tmp/smollm2 --drafter "$DRAFTER" \
         --prompts "${TAU_PROMPTS:-/tmp/prompts7.pt}" --device cuda --dtype float32 --n-eval 32 --eval-new-tokens 128 \
         --temperatures 0 1 --eval-batch 32 --out $JOB/tau/tau.json --results-dir $JOB/tau/drafters \
         > $JOB/tau/tau.log 2>&1 ;;
     smolprof)
-      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      wait_smollm2
       python3 -m benchmarks.profile_step --target /tmp/smollm2 --draft "$DRAFTER" \
         --methods "${PROF_METHODS:-none,ours-k0,ours-fixed}" --concurrency "${PROF_CONC:-1,8}" --vocab 49000 \
         --steps "${PROF_STEPS:-40}" --warmup-s 8 --out $JOB/smolprof --wait-s 200 --common-args "$COMMON_SMOL" ;;
     smol)
-      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      wait_smollm2
       python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
         --methods "${SMOL_METHODS:-none,ours-fixed,builtin,ours}" --bracket --out $JOB/smol --wait-s 200 \
         --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter, H100" -- \
@@ -105,7 +109,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         METHODS=${TRACE_8B_METHODS:-none,ours-k0,ours} TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=900 \
         COMMON_ARGS="$COMMON_8B" bash benchmarks/gpu_cost_run.sh
       for f in $JOB/trace8b/trace-*.jsonl; do python3 -m benchmarks.step_trace "$f" --json "${f%.jsonl}.summary.json"; done
-      for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+      wait_smollm2
       SGLANG_DFLASH_STEP_TRACE=$JOB/tracesmol/trace-{pid}.jsonl python3 -m benchmarks.driver --target /tmp/smollm2 \
         --draft "$DRAFTER" --methods ${TRACE_SMOL_METHODS:-none,ours-k0,ours,builtin} \
         --out $JOB/tracesmol --wait-s 200 --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct, step trace, H100" -- \

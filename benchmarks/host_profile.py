@@ -186,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                 method = f.name.split(".pyspy")[0]
                 results[method] = with_step_time(summarise(parse_raw(fh), args.top),
                                                  f.with_name(method + ".server.log.gz"), int(args.concurrency))
+        write_results(out, results)
     else:
         dargs = driver.parser().parse_args(rest + ["--out", args.out])
         for method in args.methods.split(","):
             results[method] = profile_method(args, dargs, method, out)
             write_results(out, results)  # after every method: a later failure keeps the earlier ones
-    write_results(out, results)
     print(markdown(results))
     return 0
 
