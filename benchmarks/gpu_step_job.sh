@@ -14,6 +14,10 @@
 #          benchmarks/step_trace.py): Qwen3-8B shape none / ours-k0 / ours at c = 1, 8, 32 -> /tmp/job/trace8b;
 #          SmolLM2 none / ours-k0 / ours / builtin, humaneval + gsm at c = 1, 8            -> /tmp/job/tracesmol
 #   smolprof  profile_step, SmolLM2 + the shipped drafter (host-bound target): PROF_METHODS at PROF_CONC   -> /tmp/job/smolprof
+#   gemma  driver, Gemma-4-26B-A4B shape (random weights): GEMMA_METHODS (none,ours-fixed,builtin), greedy,
+#          c = 1, 8, 32                                                                             -> /tmp/job/gemma
+#   kbench the verify kernel's default configuration against SGLang's kernels, widths 16 and 1
+#          (kernel_bench --sweep --defaults)                                                        -> /tmp/job/kbench
 #   kerneltests  the GPU cases of tests/test_step_kernels.py and tests/test_kernels.py (pytest from the wheels in
 #          $WHEELS (/tmp/wheels; the starting call copies .carry/wheels there: the device stack has no pytest)
 #                                                                                          -> /tmp/job/kerneltests
@@ -37,6 +41,9 @@ SHAPE_DIR=/tmp/shape-qwen3-8b
 COMMON_8B="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.8
  --cuda-graph-max-bs-decode 128 --max-running-requests 128 --trust-remote-code --disable-prefill-cuda-graph
  --cuda-graph-bs-decode 1 2 4 8 16 32 64 128"
+COMMON_GEMMA="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.85
+ --cuda-graph-max-bs-decode 32 --max-running-requests 32 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode 1 2 4 8 16 32"
 COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.5
  --cuda-graph-max-bs-decode 128 --max-running-requests 128 --dtype bfloat16 --disable-prefill-cuda-graph"
 DRAFTER=${DRAFTER:-sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16}  # the SmolLM2 phases' drafter
@@ -61,6 +68,13 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         tests/test_kernels.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
       echo "kernel tests exit $?" >> $JOB/kerneltests/pytest.log ;;
     cost) run_8b "${COST_METHODS:-none,ours,builtin}" 0 ;;
+    gemma)
+      OUT= RUN=$JOB/gemma SHAPE=gemma-4-26b-a4b-it METHODS="${GEMMA_METHODS:-none,ours-fixed,builtin}" TEMPERATURES=0 \
+        CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_GEMMA" bash benchmarks/gpu_cost_run.sh ;;
+    kbench)
+      mkdir -p $JOB/kbench
+      python3 -m benchmarks.kernel_bench --sweep --defaults --widths 16,1 --json $JOB/kbench/defaults.json \
+        > $JOB/kbench/defaults.txt 2>&1 ;;
     fixed) run_8b ours-fixed 0,1 ;;  # T = 1 at the same acceptance (~1) as greedy: the sampled verify's cost
     prof)
       python3 -m benchmarks.profile_step --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy \
@@ -119,7 +133,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d cost smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

@@ -10,9 +10,10 @@ replays (``triton.testing.do_bench_cudagraph``; the serving path runs both kerne
 ``GB/s`` = K/V bytes a single pass over the prefixes must read / our time (the bandwidth floor of the call).
 ``--check`` also compares outputs (ours vs SGLang's kernel; vs the torch reference on the smaller cases) and exits 1
 on a mismatch larger than ``ATOL``.
-``--sweep`` tunes instead: per case it times every tile of :func:`sweep_tiles` at the default split bound, then the
-best tile at every split bound and split length, checks each variant's output against the default's, and reports
-the default, the best and SGLang's kernel (its decode kernel for width 1: what a plain decode step runs).
+``--sweep`` tunes instead: per case it times every tile of :func:`sweep_tiles` at the default split bound, every
+split bound and split length at the default tile, and the best of each together; it checks each variant's output
+against the default's and reports the default, the best and SGLang's kernel (its decode kernel for width 1: what a
+plain decode step runs). ``--sweep --defaults`` times only the default and SGLang's kernel over the same cases.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def _sglang_decode(t, hq: int, hkv: int, sm_scale: float, out):
     return run
 
 
-def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = False, rep: int = 30):
+def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = False, variants: bool = True,
+               rep: int = 30):
     """Our kernel's default, every tile (default splits), every split bound (default tile) and the best of each
     together, against SGLang's kernel, on one case. ``compile_only`` runs each variant once (fills Triton's cache)."""
     import triton
@@ -173,14 +175,16 @@ def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = Fa
             row["mismatches"].append(kw)
         return us
 
-    tiles = [(tile, variant(tile=tile)) for tile in sweep_tiles(width, hq // hkv, d)]
-    splits = [(kw, variant(**kw)) for kw in SWEEP_SPLITS]
-    if compile_only:
-        return row
-    best_tile = min((x for x in tiles if x[1] is not None), key=lambda x: x[1])[0]
-    best_split = min((x for x in splits if x[1] is not None), key=lambda x: x[1])[0]
-    variant(tile=best_tile, **best_split)
-    row["best"] = min((v for v in row["variants"] if "us" in v), key=lambda v: v["us"])
+    if variants:
+        tiles = [(tile, variant(tile=tile)) for tile in sweep_tiles(width, hq // hkv, d)]
+        splits = [(kw, variant(**kw)) for kw in SWEEP_SPLITS]
+        if compile_only:
+            return row
+        best_tile = min((x for x in tiles if x[1] is not None), key=lambda x: x[1])[0]
+        best_split = min((x for x in splits if x[1] is not None), key=lambda x: x[1])[0]
+        variant(tile=best_tile, **best_split)
+    row["best"] = min((v for v in row["variants"] if "us" in v), key=lambda v: v["us"],
+                      default=dict(default=True, us=row["default_us"]))
     sgl_out = torch.empty_like(t["q"])
     if width == 1:
         row["sglang_decode_us"] = timed(_sglang_decode(t, hq, hkv, sm_scale, sgl_out))
@@ -210,14 +214,14 @@ def sweep_main(args, names) -> int:
     if args.compile_shard:                  # "i/n": compile every n-th case from i, time nothing
         i, n = _ints(args.compile_shard.replace("/", ","))
         for case in cases[i::n]:
-            sweep_case(*case, compile_only=True)
+            sweep_case(*case, compile_only=True, variants=not args.defaults)
         return 0
     rows = []
     print(f"# sweep: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"{'shape':15} {'W':>2} {'bs':>3} {'ctx':>6} {'default us':>10} {'best us':>8} {'sglang us':>9}  best")
     for case in cases:
-        row = sweep_case(*case)
+        row = sweep_case(*case, variants=not args.defaults)
         rows.append(row)
         best = {k: v for k, v in row["best"].items() if k not in ("us", "err")}
         sgl = row.get("sglang_decode_us", row.get("sglang_extend_us"))
@@ -237,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="bs 1 and 32, contexts 2048 and 32768 only")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     ap.add_argument("--sweep", action="store_true", help="tune: tiles and split bounds per case (see above)")
+    ap.add_argument("--defaults", action="store_true", help="--sweep: time only the default configuration (and "
+                    "SGLang's kernel) per case")
     ap.add_argument("--widths", default="16", help="--sweep: query tokens per request, comma list")
     ap.add_argument("--batches", help="--sweep: batch sizes, comma list (default 1,8,32,64)")
     ap.add_argument("--contexts", help="--sweep: cached tokens per request, comma list (default 256,1024,4096)")

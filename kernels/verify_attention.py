@@ -31,7 +31,8 @@ contexts at small batch use few SMs. Here:
   one program each; each writes its normalised partial output and its log-sum-exp, and ``_combine_kernel`` merges
   them: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``. The last split also takes the block keys.
   The split count per request is computed on the GPU from ``kv_indptr`` (no host work, CUDA-graph safe); the
-  launch grid depends only on shapes and ``max_q_len``.
+  launch grid depends only on shapes and ``max_q_len``. A request left with one split writes its output directly
+  and the combine skips it: the fp32 partials cost as much memory traffic as the K/V reads at short contexts.
 * softmax runs in base 2 (``exp2``, scores pre-multiplied by log2(e)); LSEs are base-2 throughout.
 
 Shapes (N = total query tokens = qo_indptr[-1], S = pool slots):
@@ -52,9 +53,8 @@ import triton.language as tl
 MAX_BLOCK_TOKENS = 32          # largest verify width (query tokens per request) one launch accepts
 MAX_HEAD_DIM = 512             # the tile configs below keep a BLOCK_M x head_dim fp32 accumulator in registers
 MIN_TILE = 16                  # tl.dot needs every dimension >= 16
-SPLIT_MIN_TOKENS = 256         # fewest prefix keys per split (below that the reduce costs more than the split saves)
+SPLIT_MIN_TOKENS = 64          # fewest prefix keys per split (H100 sweep: 64 matched or beat 256 where splitting paid)
 MAX_SPLITS_CAP = 64            # upper bound on splits per request (partial-buffer size: N x Hq x splits x Dv fp32)
-WAVES_PER_SM = 2               # aim the split count at about this many programs per SM
 
 
 @triton.jit
@@ -189,9 +189,11 @@ def _verify_split_kernel(
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     tok_row = q_start + tok
+    out_ptrs = Out + tok_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
     if MAX_SPLITS == 1:
-        tl.store(Out + tok_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    elif n_splits == 1:         # nothing to merge: the combine skips this request
+        tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     else:
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(Part_o + tok_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
@@ -215,6 +217,8 @@ def _combine_kernel(
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     prefix_len = tl.load(kv_indptr + req + 1).to(tl.int64) - kv_start
     n_splits, _ = _num_splits(prefix_len, window_left, MAX_SPLITS, SPLIT_MIN)
+    if n_splits == 1:           # the split kernel wrote this request's output directly
+        return
     row = q_start + tok
     offs_s = tl.arange(0, MAX_SPLITS)
     s_ok = offs_s < n_splits
@@ -248,26 +252,31 @@ def tile_config(block_tokens: int, group: int, dk: int, dv: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a query tile of ``block_tokens x group`` rows.
 
     Register budget: the fp32 accumulator is BLOCK_M x Dv and q is BLOCK_M x Dk, so wide heads get fewer rows.
-    Measured on one H100 (B = 16, benchmarks/kernel_bench.py): head dim 128 with 64 rows: 64 x 64 keys, 4 warps,
-    3 pipeline stages was 1.5-1.8x faster than 2 stages at 8-32k contexts; head dim 256: 3 stages 1.35x faster
-    than 2; head dim 512: 32 x 32, 8 warps, 2 stages beat 32 x 16, 4 warps, 3 stages by 15%.
+    Measured on one H100 (benchmarks/kernel_bench.py; ``--sweep`` in benchmarks/results/kernel-sweep-h100): head dim
+    128 with 64 rows: 64 x 64 keys, 4 warps, 3 pipeline stages was 1.5-1.8x faster than 2 stages at 8-32k contexts;
+    with 16 rows (a width-1 step at GQA 4) 128 keys per tile beat 64 by 5-15%; head dim 256: 3 stages 1.35x faster
+    than 2; head dim 512 at B = 16: 32 x 16, 4 warps, 3 stages beat 32 x 32, 8 warps, 2 stages by 1.4-1.6x from
+    8 requests up.
     """
     widest = max(dk, dv)
     rows = max(MIN_TILE, triton.next_power_of_2(block_tokens * group))
     if widest <= 128:
-        return min(rows, 128), 64, (8 if rows > 64 else 4), 3
+        return min(rows, 128), (128 if rows <= MIN_TILE else 64), (8 if rows > 64 else 4), 3
     if widest <= 256:
         return min(rows, 64), 32, (8 if rows > 32 else 4), 3
-    return min(rows, 32), 32, 8, 2
+    return min(rows, 32), 16, 4, 3
 
 
 def default_max_splits(device: torch.device, bs: int, kv_heads: int, m_blocks: int) -> int:
-    """Split bound from shapes alone (so a CUDA graph captured at this bs replays with the same grid)."""
+    """Split bound from shapes alone (so a CUDA graph captured at this bs replays with the same grid): the largest
+    power of two that keeps the programs within one wave (one per SM). The H100 sweep
+    (benchmarks/results/kernel-sweep-h100) found the best bound there or one step either side of it at every case,
+    and no splitting best from 32 requests up: more splits only add partial-buffer traffic and a combine."""
     if device.type != "cuda":
         return 4
     programs = bs * kv_heads * m_blocks
-    want = triton.cdiv(WAVES_PER_SM * _sm_count(device.index or 0), programs)
-    return int(min(MAX_SPLITS_CAP, triton.next_power_of_2(max(want, 1))))
+    fit = max(1, _sm_count(device.index or 0) // programs)
+    return int(min(MAX_SPLITS_CAP, 1 << (fit.bit_length() - 1)))
 
 
 def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
