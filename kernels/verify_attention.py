@@ -27,9 +27,10 @@ contexts at small batch use few SMs. Here:
 * one query tile = the ``L_b x G`` rows of one (request, KV head): row ``r`` is block token ``r // G``, query head
   ``kv_head * G + r % G``. Every K/V tile is loaded once for all of them (``BLOCK_M`` caps the tile; wider blocks
   or groups take several m-blocks).
-* split-K like decode: the prefix is cut into up to ``max_splits`` chunks of at least ``SPLIT_MIN_TOKENS`` keys,
-  one program each; each writes its normalised partial output and its log-sum-exp, and ``_combine_kernel`` merges
-  them: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``. The last split also takes the block keys.
+* split-K like decode: the prefix is cut into up to ``max_splits`` chunks of at least ``split_min`` keys (both
+  from :func:`split_plan`), one program each; each writes its normalised partial output and its log-sum-exp, and
+  ``_combine_kernel`` merges them: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``. The last split also
+  takes the block keys.
   The split count per request is computed on the GPU from ``kv_indptr`` (no host work, CUDA-graph safe); the
   launch grid depends only on shapes and ``max_q_len``. A request left with one split writes its output directly
   and the combine skips it: the fp32 partials cost as much memory traffic as the K/V reads at short contexts.
@@ -53,8 +54,10 @@ import triton.language as tl
 MAX_BLOCK_TOKENS = 32          # largest verify width (query tokens per request) one launch accepts
 MAX_HEAD_DIM = 512             # the tile configs below keep a BLOCK_M x head_dim fp32 accumulator in registers
 MIN_TILE = 16                  # tl.dot needs every dimension >= 16
-SPLIT_MIN_TOKENS = 64          # fewest prefix keys per split (H100 sweep: 64 matched or beat 256 where splitting paid)
+SPLIT_MIN_SMALL_GRID = 64      # fewest prefix keys per split when the grid is small (<= a quarter of the SMs) ...
+SPLIT_MIN_TOKENS = 256         # ... and otherwise (below that the reduce costs more than the split saves)
 MAX_SPLITS_CAP = 64            # upper bound on splits per request (partial-buffer size: N x Hq x splits x Dv fp32)
+WAVES = 2                      # split bound: about this many programs per SM
 
 
 @triton.jit
@@ -267,28 +270,33 @@ def tile_config(block_tokens: int, group: int, dk: int, dv: int):
     return min(rows, 32), 16, 4, 3
 
 
-def default_max_splits(device: torch.device, bs: int, kv_heads: int, m_blocks: int) -> int:
-    """Split bound from shapes alone (so a CUDA graph captured at this bs replays with the same grid): the largest
-    power of two that keeps the programs within one wave (one per SM). The H100 sweep
-    (benchmarks/results/kernel-sweep-h100) found the best bound there or one step either side of it at every case,
-    and no splitting best from 32 requests up: more splits only add partial-buffer traffic and a combine."""
+def split_plan(device: torch.device, bs: int, kv_heads: int, m_blocks: int) -> tuple[int, int]:
+    """(max_splits, split_min) from shapes alone, so a CUDA graph captured at this bs replays with the same grid.
+
+    The bound is the largest power of two that keeps the programs within ``WAVES`` per SM; splits are at least 64
+    keys when the unsplit grid fills at most a quarter of the SMs (one request: parallelism is scarce) and 256
+    otherwise. From the H100 sweep (benchmarks/results/kernel-sweep-h100): at 1 request 8-32 splits of 64+ keys were
+    best; at 8 requests 1 split at 256 keys and 4 of 256+ at 1-4k; from 32 requests up, no split.
+    """
     if device.type != "cuda":
-        return 4
+        return 4, SPLIT_MIN_TOKENS
     programs = bs * kv_heads * m_blocks
-    fit = max(1, _sm_count(device.index or 0) // programs)
-    return int(min(MAX_SPLITS_CAP, 1 << (fit.bit_length() - 1)))
+    sms = _sm_count(device.index or 0)
+    fit = max(1, WAVES * sms // programs)
+    max_splits = int(min(MAX_SPLITS_CAP, 1 << (fit.bit_length() - 1)))
+    return max_splits, (SPLIT_MIN_SMALL_GRID if 4 * programs <= sms else SPLIT_MIN_TOKENS)
 
 
 def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
                      max_q_len: int, sm_scale: float, causal: bool = True, window_left: int = -1,
                      logit_cap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
                      out: torch.Tensor | None = None, max_splits: int | None = None,
-                     split_min: int = SPLIT_MIN_TOKENS, tile: tuple | None = None) -> torch.Tensor:
+                     split_min: int | None = None, tile: tuple | None = None) -> torch.Tensor:
     """Attention of each request's block tokens over its paged prefix + its block (see the module docstring).
 
     ``max_q_len``: an upper bound on the per-request query count (SGLang's ``max_extend_len``), <= 32.
-    ``max_splits``: split-K bound (power of two); default from the SM count and the grid (shapes only).
-    ``split_min``: fewest prefix keys per split (tests lower it to exercise the split path on short prefixes).
+    ``max_splits``, ``split_min``: split-K bound (a power of two) and fewest prefix keys per split; defaults from
+    :func:`split_plan` (tests lower ``split_min`` to exercise the split path on short prefixes).
     ``tile``: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of :func:`tile_config`'s (for tuning).
     """
     n_tok, hq, dk = q.shape
@@ -320,8 +328,9 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
 
     block_m, block_n, num_warps, num_stages = tile or tile_config(max_q_len, group, dk, dv)
     m_blocks = triton.cdiv(max_q_len * group, block_m)
-    if max_splits is None:
-        max_splits = default_max_splits(q.device, bs, hkv, m_blocks)
+    plan = split_plan(q.device, bs, hkv, m_blocks)
+    max_splits = plan[0] if max_splits is None else max_splits
+    split_min = plan[1] if split_min is None else split_min
     if max_splits < 1 or max_splits & (max_splits - 1):
         raise ValueError(f"max_splits={max_splits}: must be a power of two >= 1")
     if max_splits > 1:
