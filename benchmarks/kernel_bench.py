@@ -13,7 +13,8 @@ on a mismatch larger than ``ATOL``.
 ``--sweep`` tunes instead: per case it times every tile of :func:`sweep_tiles` at the default split bound, every
 split bound and split length at the default tile, and the best of each together; it checks each variant's output
 against the default's and reports the default, the best and SGLang's kernel (its decode kernel for width 1: what a
-plain decode step runs). ``--sweep --defaults`` times only the default and SGLang's kernel over the same cases.
+plain decode step runs); at W > 1 it also checks the default's output against SGLang's extend kernel.
+``--sweep --defaults`` times (and checks) only the default and SGLang's kernel over the same cases.
 """
 
 from __future__ import annotations
@@ -193,6 +194,11 @@ def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = Fa
             t["q"], t["k_extend"], t["v_extend"], sgl_out, t["k_buffer"], t["v_buffer"], t["qo_indptr"],
             t["kv_indptr"], t["kv_indices"], None, True, None, width, 1.0, 1.0, sm_scale,
             sliding_window_size=window_left))
+        # the same function: our default's output against SGLang's (the decode kernel at W = 1 is not: in a plain
+        # step the token's own K/V is in the pool, here it comes separately)
+        row["err_vs_sglang"] = (ref_out.float() - sgl_out.float()).abs().max().item()
+        if not compile_only and not row["err_vs_sglang"] <= ATOL:
+            row["mismatches"].append("default vs sglang")
     del t
     torch.cuda.empty_cache()
     return row
