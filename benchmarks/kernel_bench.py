@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from .bench import csv_ints
+
 ATOL = 2e-2               # bf16 inputs, fp32 accumulation
 BLOCK = 16                # verify width B
 # name: (query heads, KV heads, head dim, sliding window (keys a query may look back) or None)
@@ -36,6 +38,7 @@ SHAPES = {
 }
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (512, 2048, 8192, 32768)
+SWEEP_CONTEXTS = (256, 1024, 4096)            # --sweep: the serving benchmarks' short contexts up to a long one
 MAX_POOL_TOKENS = 64 * 8192 * 2               # skip (bs, ctx) pairs past this many cached tokens (memory, time)
 REFERENCE_MAX_TOKENS = 8 * 8192               # the torch reference is checked up to this many cached tokens
 
@@ -204,21 +207,17 @@ def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = Fa
     return row
 
 
-def _ints(text: str):
-    return tuple(int(x) for x in text.split(",") if x)
-
-
 def sweep_cases(args, names):
-    batches = _ints(args.batches) if args.batches else BATCHES
-    contexts = _ints(args.contexts) if args.contexts else (256, 1024, 4096)
-    return [(name, bs, ctx, width) for name in names for width in _ints(args.widths) for bs in batches
+    batches = csv_ints(args.batches) if args.batches else BATCHES
+    contexts = csv_ints(args.contexts) if args.contexts else SWEEP_CONTEXTS
+    return [(name, bs, ctx, width) for name in names for width in csv_ints(args.widths) for bs in batches
             for ctx in contexts if bs * ctx <= MAX_POOL_TOKENS]
 
 
 def sweep_main(args, names) -> int:
     cases = sweep_cases(args, names)
     if args.compile_shard:                  # "i/n": compile every n-th case from i, time nothing
-        i, n = _ints(args.compile_shard.replace("/", ","))
+        i, n = (int(x) for x in args.compile_shard.split("/"))
         for case in cases[i::n]:
             sweep_case(*case, compile_only=True, variants=not args.defaults)
         return 0
