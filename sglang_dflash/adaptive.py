@@ -236,16 +236,27 @@ class StepCostTable:
 
 
 # ------------------------------------------------------------------------------------------------ the decision
-def best_width(expected_commit: Sequence[float], costs: dict[int, float]) -> int:
+# A wider width must promise at least this much more throughput than the best narrower one. The step-cost table is
+# measured on the host clock and the acceptance is an estimate: a gain smaller than their noise is not a gain.
+MIN_GAIN = 0.02
+
+
+def best_width(expected_commit: Sequence[float], costs: dict[int, float], min_gain: float = MIN_GAIN) -> int:
     """THE decision, a pure function: argmax over k in costs of expected_commit[k] / cost(k) (tokens per second per
-    request; the batch throughput is bs times that, so bs enters only through the costs). Ties -> the smaller k.
+    request; the batch throughput is bs times that, so bs enters only through the costs), where a wider k replaces a
+    narrower one only if its rate is more than (1 + min_gain) times that one's. Ties -> the smaller k.
 
     cost(k) is the running maximum of costs over the widths up to k: a step that verifies more tokens does all the
     work of one that verifies fewer, so a table pricing k below a narrower width is measurement noise, and taking
     it at its word would pick a useless width over plain steps (on an H100 a mispriced k = 0 had k = 3, committing
-    1.0 tokens per step, chosen for 400 steps)."""
+    1.0 tokens per step, chosen for 400 steps). The running maximum alone still hands a near-useless drafter the full
+    block whenever k = 0 is the width priced too high: both then cost the same, and an expected commit of 1.004
+    tokens beats 1.0 (on an H100 a k = 0 priced at 9.10 ms, plain steps taking ~7, ran 154 of the first 269 steps at
+    k = 15 with a random drafter). min_gain keeps such a step narrow: it must pay for itself by more than the noise."""
     if not costs:
         raise ValueError("costs is empty: give the step time of at least one width")
+    if not min_gain >= 0:
+        raise ValueError(f"min_gain={min_gain}: the gain a wider width must promise is a fraction >= 0")
     best_k, best_rate, envelope = -1, -math.inf, 0.0
     for k in sorted(costs):
         if not 0 <= k < len(expected_commit):
@@ -254,7 +265,9 @@ def best_width(expected_commit: Sequence[float], costs: dict[int, float]) -> int
             raise ValueError(f"costs[{k}]={costs[k]}: a step time must be > 0")
         envelope = max(envelope, costs[k])
         rate = expected_commit[k] / envelope
-        if rate > best_rate:  # strict: on a tie the smaller k (cheaper, fewer wasted target FLOPs) stays
+        # strict, and by more than min_gain: on a tie or a gain within the noise the smaller k (cheaper, fewer wasted
+        # target FLOPs) stays
+        if rate > best_rate * (1.0 + min_gain):
             best_k, best_rate = k, rate
     return best_k
 

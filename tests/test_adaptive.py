@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_dflash.adaptive import AcceptanceStats, StepCostTable, WidthPolicy, best_width, parse_widths
+from sglang_dflash.adaptive import (MIN_GAIN, AcceptanceStats, StepCostTable, WidthPolicy, best_width,
+                                    parse_widths)
 
 B = 16
 WIDTHS = [0, 3, 7, 15]
@@ -397,3 +398,20 @@ def test_best_width_never_trusts_a_wide_step_priced_below_a_narrow_one():
     assert best_width(useless, {0: 10.9e-3, 3: 9.2e-3, 7: 9.6e-3, 15: 10.7e-3}) == 0
     paying = [1.0, 1.9, 2.5, 2.9] + [3.0] * 12
     assert best_width(paying, {0: 10.9e-3, 3: 9.2e-3}) == 3
+
+
+def test_a_near_useless_drafter_stays_narrow_when_the_plain_step_is_priced_too_high():
+    """The H100 start-up case (benchmarks/results/fastpath-qwen3-8b-h100, two-wave run): k = 0 priced at 9.10 ms,
+    k = 15 at 8.65 ms, plain steps taking ~7 ms, a random drafter (tau 1.004). The running maximum prices every width
+    at 9.10 ms, and 1.004 tokens beat 1.0: without a minimum gain the full block ran. With it the plain step stays,
+    and a drafter that pays still gets the block, as does one whose gain is just above MIN_GAIN."""
+    costs = {0: 9.10e-3, 3: 8.9e-3, 7: 8.8e-3, 15: 8.65e-3}
+    random_drafter = expected_commit(0.004)
+    assert best_width(random_drafter, costs, min_gain=0.0) > 0  # the running maximum alone: a wider width
+    assert best_width(random_drafter, costs) == 0
+    assert best_width(expected_commit(0.8), costs) == 15
+    assert best_width(expected_commit(0.6), costs) == 7  # k = 15 would commit 1.7% more: within MIN_GAIN
+    just_above = [1.0] + [1.0 + 1.5 * MIN_GAIN] * 15  # k = 3 first promises 1.5 x MIN_GAIN more at the same cost
+    assert best_width(just_above, costs) == 3
+    with pytest.raises(ValueError, match="min_gain"):
+        best_width(random_drafter, costs, min_gain=-0.1)
