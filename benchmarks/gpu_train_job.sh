@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Train a drafter for a staged real target on the lent GPU machine and measure it, as ONE background job that
 # outlives the 600 s limit of a call (start it with setsid; later calls poll $out/DONE and copy $out back):
+#   0. self:   (with SELF_N) python -m sglang_dflash.train self-prompts: SELF_N user requests written by the target
+#              itself, one MT-Bench style after another (SELF_STYLES, default mtbench), answered like phase 1's
+#              prompts into $out/self_data.pt, which training joins to the other data;
 #   1. data:   python -m sglang_dflash.train generate: the target's own responses from an SGLang server, every
 #              prompt answered twice (greedy, and T = 1 with a per-request seed), token ids only;
 #   2. train:  python -m sglang_dflash.train run --data: training to a deadline (resumable from $out/train/state);
@@ -18,7 +21,8 @@
 # DRAFTER (the drafter the tau and server phases measure: $out/train/drafter, or e.g. a shipped one with
 # SKIP=data,train), BENCH_METHODS (none,ours; builtin and ours-fixed too for a side-by-side run),
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
-# server phase waits for, up to 10 min).
+# server phase waits for, up to 10 min), SELF_N (requests to sample in phase 0; unset: no phase 0), SELF_STYLES,
+# SELF_BUDGET_S (the sampling's budget, 120), SELF_GEN_BUDGET_S (the answers' budget, 200).
 set -u
 target=${1:?target: smollm2|gemma3}; prompts=${2:?prompts file}; out=${3:?output dir}
 mkdir -p "$out"
@@ -31,14 +35,28 @@ skip() { case ",${SKIP:-}," in *",$1,"*) return 0 ;; esac; return 1; }
 log "start $target on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 T=(--target "$target" --hf-dir "/tmp/$target" --prompts "$prompts")
 
+GEN_SERVER="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-prefill-cuda-graph --mem-fraction-static ${GEN_MEM:-0.6} --cuda-graph-max-bs-decode 512 --max-running-requests 512"
+# greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
+answer() {  # answer PROMPTS_FILE DATA_OUT BUDGET_S [extra generate args]
+  python3 -m sglang_dflash.train generate --target "$target" --hf-dir "/tmp/$target" --prompts "$1" --out "$2" \
+    --passes greedy,sampled --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
+    --gen-budget-s "$3" --quiet "${@:4}" --server-args="$GEN_SERVER"
+}
+
+if [ -n "${SELF_N:-}" ] && ! skip self; then
+  python3 -m sglang_dflash.train self-prompts --target "$target" --hf-dir "/tmp/$target" --out "$out/self_prompts.pt" \
+    --n "$SELF_N" --styles "${SELF_STYLES:-mtbench}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
+    --gen-budget-s "${SELF_BUDGET_S:-120}" --quiet --server-args="$GEN_SERVER" > "$out/self_prompts.log" 2>&1
+  log "self-prompts exit $?"
+  answer "$out/self_prompts.pt" "$out/self_data.pt" "${SELF_GEN_BUDGET_S:-200}" > "$out/self_generate.log" 2>&1
+  log "self-prompts answered exit $?"
+  [ -f "$out/self_data.pt" ] && EXTRA_DATA="${EXTRA_DATA:-} $out/self_data.pt"
+fi
+
 data=${DATA:-$out/data.pt}
 if ! skip data && [ -z "${DATA:-}" ]; then
-  # greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
-  python3 -m sglang_dflash.train generate "${T[@]}" --out "$data" --passes greedy,sampled \
-    --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
-    --gen-budget-s "${GEN_BUDGET_S:-200}" --quiet ${GEN_ARGS:-} \
-    --server-args="--attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-prefill-cuda-graph --mem-fraction-static ${GEN_MEM:-0.6} --cuda-graph-max-bs-decode 512 --max-running-requests 512" \
-    > "$out/generate.log" 2>&1
+  # shellcheck disable=SC2086
+  answer "$prompts" "$data" "${GEN_BUDGET_S:-200}" ${GEN_ARGS:-} > "$out/generate.log" 2>&1
   log "generate exit $?"
 fi
 

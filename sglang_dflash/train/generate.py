@@ -91,14 +91,17 @@ def sampling_seed_of(seed: int, index: int) -> int:
 
 
 def server_request(prompt: list[int], max_new_tokens: int, stop_token_ids: list[int], sample: bool,
-                   sampling_seed: int | None = None) -> dict:
+                   sampling_seed: int | None = None, sampling: dict | None = None) -> dict:
     """The body of SGLang's native POST /generate for one prompt (field names of SGLang 0.5.17's GenerateReqInput
     and SamplingParams). Greedy is temperature 0 (SGLang turns it into top_k = 1); sampling is plain T=1 over the
-    whole vocabulary (top_k -1, top_p 1, min_p 0), the distribution the drafter must learn. no_stop_trim keeps the
-    stop token in the text; output_ids keep it regardless, and the drafter must learn to predict it."""
+    whole vocabulary (top_k -1, top_p 1, min_p 0), the distribution the drafter must learn, unless `sampling`
+    overrides some of those fields (self-prompting samples requests with its own temperature / top_p). no_stop_trim
+    keeps the stop token in the text; output_ids keep it regardless, and the drafter must learn to predict it."""
     sp = {"max_new_tokens": int(max_new_tokens), "temperature": 1.0 if sample else 0.0, "top_k": -1, "top_p": 1.0,
           "min_p": 0.0, "stop_token_ids": [int(t) for t in stop_token_ids], "skip_special_tokens": False,
           "no_stop_trim": True, "ignore_eos": False}
+    if sample and sampling:
+        sp.update(sampling)
     if sample and sampling_seed is not None:
         # honoured only by a server started with --enable-deterministic-inference (SGLang 0.5.17 ignores it
         # otherwise: the sample is then valid but not reproducible)
@@ -153,14 +156,16 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
                          vocab_size: int, sample_fraction: float = 0.0, seed: int = 0,
                          sources: list[str] | None = None, concurrency: int = 256, progress: bool = True,
                          time_budget_s: float | None = None, request_timeout_s: float = 3600.0,
-                         sample: list[bool] | None = None, group: int = 1) -> TokenStore:
+                         sample: list[bool] | None = None, group: int = 1,
+                         sampling: dict | None = None) -> TokenStore:
     """The target's own responses from a running SGLang server (native /generate, token ids in and out), as a
     TokenStore of prompt + response per prompt in the order of `prompts` (the same layout and meta keys as
     `generate_responses`, plus generator="sglang").
 
     Each response runs until a stop token (kept) or max_new_tokens. round(n * sample_fraction) prompts, chosen by
-    `seed`, are answered by sampling at T=1 with a per-request sampling_seed; the rest greedily (`sample`, one flag
-    per prompt, overrides that choice: e.g. every prompt twice, greedy and sampled). `concurrency`
+    `seed`, are answered by sampling at T=1 with a per-request sampling_seed (`sampling`: other SamplingParams fields
+    for those, as in `server_request`); the rest greedily (`sample`, one flag per prompt, overrides that choice: e.g.
+    every prompt twice, greedy and sampled). `concurrency`
     prompts are in flight at once, `group` consecutive prompts per HTTP request (SGLang's batch form of /generate;
     threads = concurrency / group). Groups matter on a small target: prompts that arrive one by one as others
     finish are prefilled one or two at a time, and those eager prefills, not the decode steps, then bound the
@@ -193,8 +198,8 @@ def generate_with_server(url: str, prompts: list[list[int]], max_new_tokens: int
         if stop.is_set() or (deadline is not None and time.time() >= deadline):
             return idx, None, None
         timeout = request_timeout_s if deadline is None else max(1.0, min(request_timeout_s, deadline - time.time()))
-        bodies = [server_request(prompts[i], max_new_tokens, stop_token_ids, sample[i], sampling_seed_of(seed, i))
-                  for i in idx]
+        bodies = [server_request(prompts[i], max_new_tokens, stop_token_ids, sample[i], sampling_seed_of(seed, i),
+                                 sampling) for i in idx]
         try:
             answers = post_generate(url, batch_request(bodies), timeout)
             answers = answers if len(idx) > 1 else [answers]

