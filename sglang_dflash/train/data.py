@@ -196,10 +196,15 @@ def eval_prompts(n_per_set: int) -> dict[str, list[Prompt]]:
             "gsm": gsm("eval", n_per_set)}
 
 
+def held_out_texts() -> set[str]:
+    """The text of every held-out prompt (all of each set): no training prompt may equal one."""
+    return {p.text for ps in eval_prompts(10_000).values() for p in ps}
+
+
 def train_prompts(n_sharegpt: int, n_gsm: int, n_code: int, seed: int = 0, n_package_code: int = 0,
                   n_sharegpt_later: int = 0) -> list[Prompt]:
     """The training mix, with every prompt that equals a held-out prompt removed."""
-    held_out = {p.text for ps in eval_prompts(10_000).values() for p in ps}
+    held_out = held_out_texts()
     mix = (sharegpt(n_sharegpt, later_turns=n_sharegpt_later) + gsm("train", n_gsm) + humaneval("train")
            + mtbench("train") + stdlib_code_tasks(n_code) + package_code_tasks(n_package_code, seed))
     seen, out = set(), []

@@ -33,7 +33,7 @@ import torch
 from ..checkpoint import load_drafter, save_drafter
 from ..config import DFlashConfig
 from ..drafter import DFlashDrafter
-from .data import EVAL_SETS, TokenStore, code_package_versions, eval_prompts, train_prompts
+from .data import EVAL_SETS, TokenStore, code_package_versions, eval_prompts, held_out_texts, train_prompts
 from .evaluate import evaluate_sets
 from .generate import generate_responses, generate_with_server, generation_server
 from .loop import Trainer, TrainConfig, plot_losses, write_json
@@ -138,15 +138,15 @@ def self_prompts(args) -> None:
                                     sampling={"temperature": args.query_temperature, "top_p": args.query_top_p})
     requests = [request_text(tok, data.tokens(i)[int(data.prompt_lens[i]):].tolist(), prefixes[data.sources[i]][1])
                 for i in range(len(data))]
-    held_out = {p.text for ps in eval_prompts(10_000).values() for p in ps}
-    keep, dropped = clean_requests(requests, held_out, args.min_request_chars, args.max_request_chars)
+    keep, dropped = clean_requests(requests, held_out_texts(), args.min_request_chars, args.max_request_chars)
     ids, sources, texts = [], [], []
     for i in keep:
-        x = target.chat_ids(tok, requests[i].strip())
+        text = requests[i].strip()
+        x = target.chat_ids(tok, text)
         if len(x) <= args.max_prompt_tokens:
             ids.append(x)
             sources.append(f"self-{data.sources[i]}")
-            texts.append(requests[i].strip())
+            texts.append(text)
     dropped["prompt_tokens"] = len(keep) - len(ids)
     meta = {"self_prompts": {"sampled": args.n, "answered": len(data), "kept": len(ids), "dropped": dropped,
                              "styles": systems, "temperature": args.query_temperature, "top_p": args.query_top_p,

@@ -88,7 +88,7 @@ def test_self_prompts_command_samples_the_targets_own_requests(tmp_path, monkeyp
     import torch
 
     from sglang_dflash.targets import smollm2
-    from sglang_dflash.train import pipeline
+    from sglang_dflash.train import data, pipeline
     from sglang_dflash.train.data import Prompt
     from sglang_dflash.train.pipeline import load_prompts, main
     from sglang_dflash.train.self_prompts import QUERY_STYLES, query_prefix
@@ -97,7 +97,8 @@ def test_self_prompts_command_samples_the_targets_own_requests(tmp_path, monkeyp
         return {name: [Prompt(name, str(i), f"Held-out {name} question {i}: what is {i} + {i}?") for i in range(2)]
                 for name in ("humaneval", "mtbench", "gsm")}
 
-    monkeypatch.setattr(pipeline, "eval_prompts", stand_in_eval_prompts)
+    monkeypatch.setattr(pipeline, "eval_prompts", stand_in_eval_prompts)  # the held-out sets written
+    monkeypatch.setattr(data, "eval_prompts", stand_in_eval_prompts)  # the texts no request may equal
 
     try:
         smollm2.gguf_path(download=False)
