@@ -141,12 +141,11 @@ def self_prompts(args) -> None:
     keep, dropped = clean_requests(requests, held_out_texts(), args.min_request_chars, args.max_request_chars)
     ids, sources, texts = [], [], []
     for i in keep:
-        text = requests[i].strip()
-        x = target.chat_ids(tok, text)
+        x = target.chat_ids(tok, requests[i])
         if len(x) <= args.max_prompt_tokens:
             ids.append(x)
             sources.append(f"self-{data.sources[i]}")
-            texts.append(text)
+            texts.append(requests[i])
     dropped["prompt_tokens"] = len(keep) - len(ids)
     meta = {"self_prompts": {"sampled": args.n, "answered": len(data), "kept": len(ids), "dropped": dropped,
                              "styles": systems, "temperature": args.query_temperature, "top_p": args.query_top_p,

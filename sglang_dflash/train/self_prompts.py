@@ -80,15 +80,15 @@ def style_systems(styles: str) -> dict[str, str | None]:
 
 
 def request_text(tokenizer, sampled: list[int], end_id: int) -> str | None:
-    """The text of one sampled request (the ids after the prefix), or None unless it ended the user's turn cleanly:
-    the last id is `end_id` and no other special token comes before it (a sample that writes its own assistant header
-    is not a request)."""
+    """The text of one sampled request (the ids after the prefix), stripped, or None unless it ended the user's turn
+    cleanly: the last id is `end_id` and no other special token comes before it (a sample that writes its own
+    assistant header is not a request)."""
     if not sampled or sampled[-1] != end_id:
         return None
     body = sampled[:-1]
     if set(body) & set(tokenizer.all_special_ids):
         return None
-    return tokenizer.decode(body)
+    return tokenizer.decode(body).strip()
 
 
 def _normalised(text: str) -> str:
