@@ -170,8 +170,8 @@ def test_block_forward_and_draft_logits_equal_the_plain_drafter(pair, monkeypatc
     # RowParallelLinear asks the TP group (never initialised here) whether to use symmetric memory; one rank: no
     monkeypatch.setattr("sglang.srt.layers.linear.get_tp_group", lambda: SimpleNamespace(world_size=1))
     _, target, drafter, model = pair
+    model.bind_target(target.get_input_embeddings(), target.get_output_embeddings())
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    model.bind_target(embed, lm_head)
     features, block, ctx_pos, block_pos = inputs(target, drafter)
     pool = DictKVPool()
     model.write_context_kv(features, ctx_pos, torch.arange(CONTEXT), pool)
@@ -185,3 +185,4 @@ def test_block_forward_and_draft_logits_equal_the_plain_drafter(pair, monkeypatc
     served_logits, plain_logits = model.draft_logits(served[1:]), drafter.draft_logits(plain[1:], lm_head)
     assert torch.allclose(served_logits, plain_logits, **TOL)
     assert torch.equal(served_logits.argmax(-1), plain_logits.argmax(-1))
+    assert torch.equal(model.greedy_drafts(served[1:]), plain_logits.argmax(-1))

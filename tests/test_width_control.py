@@ -274,3 +274,80 @@ def test_step_trace_records_every_reported_step(tmp_path):
     # a step whose cycle held a prefill is never timed
     assert all(r["timed_ms"] is None for r in rows if r["cycle_ms"] is None)
     assert all(r["commit"] >= 1 for r in rows)
+
+
+# ------------------------------------------------------------------------------ tensor parallelism: one decision
+class _Broadcast:
+    """In-process stand-in for the TP group's CPU broadcast: rank 0's calls publish, rank 1's read the latest
+    publication (the two controllers are stepped in lockstep, rank 0 first, as the ranks' collectives pair up)."""
+
+    def __init__(self):
+        self.published = []
+
+    def rank(self, r: int):
+        def broadcast(obj):
+            if r == 0:
+                self.published.append(obj)
+                return obj
+            return self.published[-1]
+        return broadcast
+
+
+def _lockstep(ctls, bs_schedule, clocks, accept_rate: float, seed: int = 0) -> list[list[int]]:
+    """Step every rank's controller through the same steps (same batch sizes, same acceptance reports, as the
+    scheduler gives every rank), each rank on its own step-cost clock. Returns each rank's chosen ks."""
+    rng = np.random.default_rng(seed)
+    chosen = [[] for _ in ctls]
+    for bs in bs_schedule:
+        ks = [ctl.choose(bs) for ctl in ctls]
+        for r, (ctl, k) in enumerate(zip(ctls, ks)):
+            chosen[r].append(k)
+            ctl.step_begin(bs, k)
+        acc = _accepted(rng, bs, max(ks), accept_rate)
+        for ctl, k, clock in zip(ctls, ks, clocks):
+            ctl.on_verify_complete([min(a, k) for a in acc], bs)
+            ctl._clock.t += clock(bs, k)
+    return chosen
+
+
+def _tp_controllers(shared: bool):
+    box = _Broadcast()
+    ctls = []
+    for r in range(2):
+        share = width_control.TableShare(r, box.rank(r)) if shared else None
+        ctl = WidthController(WidthControls.from_env(BLOCK, env={}), BLOCK, share=share)
+        ctl._clock = FakeClock()
+        ctls.append(ctl)
+    return ctls
+
+
+@pytest.mark.parametrize("accept_rate", [0.0, 0.6, 0.95])
+def test_tp_ranks_choose_the_same_width_whatever_their_clocks_say(accept_rate):
+    """Two ranks whose clocks disagree (rank 1 sees plain steps 40% dearer and wide steps 30% cheaper, plus jitter:
+    the table it would build prefers other widths) still choose the same k at every step, because decisions read
+    only rank 0's shared table; and the run is not stuck at one width (the decision really moves)."""
+    jitter = np.random.default_rng(7)
+    clocks = [_cost, lambda bs, k: _cost(bs, k) * (1.4 if k == 0 else 0.7) * jitter.uniform(0.8, 1.25)]
+    schedule = [1] * 300 + [8] * 300 + [3] * 200 + [32] * 300
+    ks0, ks1 = _lockstep(_tp_controllers(shared=True), schedule, clocks, accept_rate)
+    assert ks0 == ks1
+    assert len(set(ks0)) > 1
+
+
+def test_tp_ranks_without_the_share_diverge():
+    """The same run without the share: each rank decides from its own clock and the ranks part ways (so the test
+    above can fail)."""
+    jitter = np.random.default_rng(7)
+    clocks = [_cost, lambda bs, k: _cost(bs, k) * (1.4 if k == 0 else 0.7) * jitter.uniform(0.8, 1.25)]
+    schedule = [1] * 300 + [8] * 300 + [3] * 200 + [32] * 300
+    ks0, ks1 = _lockstep(_tp_controllers(shared=False), schedule, clocks, 0.6)
+    assert ks0 != ks1
+
+
+def test_tp_share_runs_at_agreed_steps_only():
+    """The share is a collective: it must happen at the same step counts on every rank, rarely once the table is
+    filled."""
+    due = [s for s in range(4096) if width_control._share_due(s)]
+    assert due[:3] == [0, 16, 32] and all(s % width_control.SHARE_EVERY == 0 for s in due
+                                          if s >= width_control.SHARE_FIRST_UNTIL)
+    assert len(due) < 4096 / 30

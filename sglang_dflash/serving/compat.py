@@ -124,6 +124,16 @@ def target_hf_config(server_args):
     return model_config_of(server_args).hf_config
 
 
+def target_context_len(server_args) -> int:
+    """The target's context length as SGLang derives it (the flag, else the checkpoint's), what the draft model's
+    config is built with."""
+    if hasattr(server_args, "get_model_config"):
+        return int(server_args.get_model_config().context_len)
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    return int(model_config_of(server_args).context_len)
+
+
 # ------------------------------------------------------------------------------------------ speculative worker
 def draft_worker_parallel_kwargs(ps) -> dict:
     """The parallel-state argument ``build_draft_tp_worker`` takes: 0.5.17 wants ``ps`` (pipeline rank 0: the

@@ -62,3 +62,10 @@ def torch_native_verify_lengths(forward_batch):
         yield
     finally:
         forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens = saved
+
+
+def on_cpu_engine() -> bool:
+    """Whether this process runs SGLang's CPU engine (its own switch, read as SGLang reads it)."""
+    import os
+
+    return os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"

@@ -10,9 +10,19 @@ The draft's KV cache holds, for every committed token, each layer's K/V of that 
 tokens themselves (written by the attention call). Block queries see all of it: full-attention layers are
 non-causal (ENCODER_ONLY), sliding layers causal within their window, as ``DFlashConfig.layer_is_causal`` says.
 
-Embedding and lm_head belong to the target: ``bind_target`` hands them over after both models are loaded.
-The forward embeds ``input_ids`` itself, so no ``input_embeds`` (which SGLang's runner casts to bfloat16)
-crosses the runner and float32 serving stays float32.
+Embedding and lm_head belong to the target: ``bind_target`` hands them over after both models are loaded
+(``TargetVocab``). The forward embeds ``input_ids`` itself, so no ``input_embeds`` (which SGLang's runner casts to
+bfloat16) crosses the runner and float32 serving stays float32.
+
+Tensor parallelism (``--tp-size`` N) shards the drafter as SGLang shards a target: attention heads and the MLP's
+intermediate columns split over the ranks (QKV / MergedColumn / Row parallel linears; a Row linear all-reduces), each
+rank's draft KV pool holds its own K/V heads, and ``fc`` / ``hidden_norm`` / the norms are replicated (the context
+row is H wide and every rank needs all of it). Sharded rather than replicated: SGLang sizes the draft KV pool per
+rank from the draft config's heads, so a replicated drafter would not fit its pool, and sharding halves the weight
+reads of the memory-bound draft pass at the price of two all-reduces per layer. The target's vocabulary is sharded
+by SGLang's ``VocabParallelEmbedding`` / ``ParallelLMHead`` (Gemma's scaled embeddings stay replicated):
+``TargetVocab`` looks token rows up in this rank's slice and all-reduces, and the greedy draft head takes each
+rank's best token and all-gathers the (score, id) pairs, so every rank drafts the same tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +43,25 @@ def _sglang():
     from sglang.srt.layers import layernorm, linear, radix_attention, rotary_embedding
 
     return layernorm, linear, radix_attention, rotary_embedding
+
+
+def _tp_size() -> int:
+    """Ranks of the tensor-parallel group, as SGLang's parallel linears read it when they are built."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_size)
+
+
+def rank_heads(cfg: DFlashConfig, ranks: int) -> tuple[int, int]:
+    """(query heads, K/V heads) of one rank at ``ranks``-way tensor parallelism, as SGLang's QKVParallelLinear splits
+    them: query heads evenly; K/V heads evenly, or each replicated on ranks / kv ranks when there are fewer K/V heads
+    than ranks."""
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % ranks or (kv % ranks and ranks % kv):
+        raise ValueError(f"drafter with {heads} attention heads / {kv} K/V heads cannot be split over --tp-size "
+                         f"{ranks}: the heads must divide evenly (and K/V heads divide or be divided by the ranks). "
+                         "Fix: a --tp-size that divides both")
+    return heads // ranks, max(1, kv // ranks)
 
 
 def _norm(dim: int, eps: float, gemma: bool):
@@ -56,23 +85,76 @@ def drafter_config(config) -> DFlashConfig:
     return DFlashConfig.from_dict(config.to_dict())
 
 
+class TargetVocab:
+    """The target's token embedding and lm_head as the drafter uses them, on this tensor-parallel rank.
+
+    A module SGLang shards by vocabulary (``VocabParallelEmbedding`` / ``ParallelLMHead``, at --tp-size > 1) holds
+    the rows [start, start + rows) of the vocabulary (then padding); an unsharded one (nn.Embedding, Gemma's scaled
+    embeddings, any module at --tp-size 1) holds them all. The lookup and the greedy head work on this rank's rows and
+    combine across ranks only where the rows are sharded, so the single-GPU path is a plain lookup and argmax."""
+
+    def __init__(self, embed: nn.Module, lm_head: nn.Module, vocab_size: int):
+        self.embed_weight, self.lm_head_weight = embed.weight, lm_head.weight
+        self.embed_rows, self.embed_sharded = self._rows(embed, vocab_size)
+        self.head_rows, self.head_sharded = self._rows(lm_head, vocab_size)
+
+    @staticmethod
+    def _rows(module: nn.Module, vocab_size: int) -> tuple[tuple[int, int], bool]:
+        shard = getattr(module, "shard_indices", None)
+        if shard is None or getattr(module, "tp_size", 1) == 1:  # replicated (or one rank): the whole vocabulary
+            return (0, vocab_size), False
+        return (shard.org_vocab_start_index, shard.org_vocab_end_index - shard.org_vocab_start_index), True
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the target's embedding table (unscaled: the drafter's config scales them)."""
+        start, rows = self.embed_rows
+        if not self.embed_sharded:
+            return F.embedding(ids, self.embed_weight)
+        local = ids - start
+        mine = (local >= 0) & (local < rows)
+        x = F.embedding(torch.where(mine, local, 0), self.embed_weight) * mine[:, None].to(self.embed_weight.dtype)
+        from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(x)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R] token ids: the argmax of [R, V] draft logits, from this rank's [R, rows (+ padding)] logits. Sharded:
+        each rank's best (score, id) is all-gathered and the best score wins, the lowest rank on a tie (the lowest
+        id, as argmax over the whole vocabulary picks), so every rank drafts the same tokens."""
+        start, rows = self.head_rows
+        score, idx = logits[:, :rows].max(dim=-1)  # padding rows (zero weights) never win
+        if not self.head_sharded:
+            return idx
+        from sglang.srt.distributed import tensor_model_parallel_all_gather
+
+        # one collective: ids below 2^24 are exact in float32 (vocabularies are ~2^18)
+        pairs = torch.stack([score.float(), (idx + start).float()], dim=-1)  # [R, 2]
+        every = tensor_model_parallel_all_gather(pairs[None], dim=0)  # [ranks, R, 2]
+        best = every[..., 0].argmax(dim=0)  # first maximum: the lowest rank
+        return every[..., 1].gather(0, best[None])[0].to(torch.int64)
+
+
 class SGLangDraftAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig, layer_id: int):
+    def __init__(self, cfg: DFlashConfig, layer_id: int, max_position: int = 0):
         super().__init__()
         _, linear, radix_attention, rotary_embedding = _sglang()
         h, d = cfg.hidden_size, cfg.head_dim
         self.head_dim = d
-        self.q_size, self.kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        heads, kv_heads = rank_heads(cfg, _tp_size())  # this rank's share (all of them without TP)
+        self.q_size, self.kv_size = heads * d, kv_heads * d
         self.qkv_proj = linear.QKVParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                  bias=cfg.attention_bias, prefix=f"layers.{layer_id}.qkv_proj")
-        self.o_proj = linear.RowParallelLinear(self.q_size, h, bias=cfg.attention_bias,
+        self.o_proj = linear.RowParallelLinear(cfg.num_attention_heads * d, h, bias=cfg.attention_bias,
                                                prefix=f"layers.{layer_id}.o_proj")
         self.q_norm = _norm(d, cfg.rms_norm_eps, cfg.gemma_norm)
         self.k_norm = _norm(d, cfg.rms_norm_eps, cfg.gemma_norm)
         rope_cfg = cfg.rope_config()  # the plain drafter's rope settings, parsed once by transformers
         rope = dict(rope_cfg.rope_parameters)
         scaling = rope if rope.get("rope_type", "default") != "default" else None
-        self.rotary_emb = rotary_embedding.get_rope(d, rotary_dim=d, max_position=rope_cfg.max_position_embeddings,
+        # positions up to the target's context (a drafter may be served past its own max_position_embeddings with
+        # SGLang's SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN: startup.check_context_length)
+        max_position = max(rope_cfg.max_position_embeddings, max_position)
+        self.rotary_emb = rotary_embedding.get_rope(d, rotary_dim=d, max_position=max_position,
                                                     base=rope["rope_theta"], rope_scaling=scaling, is_neox_style=True)
         causal, window = cfg.layer_is_causal(layer_id), cfg.layer_window(layer_id)
         attn_type = radix_attention.AttentionType.DECODER if causal else radix_attention.AttentionType.ENCODER_ONLY
@@ -80,7 +162,7 @@ class SGLangDraftAttention(nn.Module):
             raise ValueError(f"drafter layer {layer_id}: a non-causal sliding-window layer (is_causal=false with "
                              "sliding_attention) has no SGLang attention mode. Fix: drop is_causal=false")
         self.attn = radix_attention.RadixAttention(
-            cfg.num_attention_heads, d, d ** -0.5, cfg.num_key_value_heads, layer_id=layer_id,
+            heads, d, d ** -0.5, kv_heads, layer_id=layer_id,
             sliding_window_size=(window - 1) if window else -1, attn_type=attn_type)
 
     def _qk_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
@@ -115,9 +197,9 @@ class SGLangDraftMLP(nn.Module):
 
 
 class SGLangDraftLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig, layer_id: int):
+    def __init__(self, cfg: DFlashConfig, layer_id: int, max_position: int = 0):
         super().__init__()
-        self.self_attn = SGLangDraftAttention(cfg, layer_id)
+        self.self_attn = SGLangDraftAttention(cfg, layer_id, max_position)
         self.mlp = SGLangDraftMLP(cfg, layer_id)
         self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
         self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
@@ -137,17 +219,19 @@ class DFlashDraftModel(nn.Module):
         self.dflash = cfg = drafter_config(config)
         self.config = config
         h = cfg.hidden_size
-        self.layers = nn.ModuleList(SGLangDraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # SGLang sets context_len on the draft's HF config: the target's context length
+        context = int(getattr(config, "context_len", 0) or 0) if not isinstance(config, Mapping) else 0
+        self.layers = nn.ModuleList(SGLangDraftLayer(cfg, i, context) for i in range(cfg.num_hidden_layers))
         self.norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
         self.fc = nn.Linear(cfg.num_context_features * h, h, bias=False)
         self.hidden_norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
-        self.embed_weight: torch.Tensor | None = None  # the target's, set by bind_target
-        self.lm_head_weight: torch.Tensor | None = None
+        self.vocab: TargetVocab | None = None  # the target's embedding and lm_head, set by bind_target
         self._context_weights = None  # stacked K/V projections of all layers (write_context_kv)
 
     # ------------------------------------------------------------------------------------------ wiring
-    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
+    def bind_target(self, embed: nn.Module, lm_head: nn.Module) -> None:
+        """The target's embedding and lm_head modules (tied targets: the embedding twice)."""
+        self.vocab = TargetVocab(embed, lm_head, self.dflash.vocab_size)
 
     def get_attention_sliding_window_size(self):
         windows = [self.dflash.layer_window(i) for i in range(self.dflash.num_hidden_layers)]
@@ -210,7 +294,7 @@ class DFlashDraftModel(nn.Module):
         # captured that way would replay stale embeddings. Embedding the ids here keeps the lookup inside the graph.
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-        x = F.embedding(input_ids, self.embed_weight)
+        x = self.vocab.embed(input_ids)
         if self.dflash.input_embedding_scale != 1.0:
             x = x * self.dflash.input_embedding_scale
         x = x.to(self.fc.weight.dtype)
@@ -220,8 +304,12 @@ class DFlashDraftModel(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the bound target lm_head, in its dtype (``drafter.draft_logits``, shared with the
-        plain drafter)."""
-        return draft_logits(hidden, self.lm_head_weight, self.dflash)
+        plain drafter); this rank's vocabulary rows under tensor parallelism."""
+        return draft_logits(hidden, self.vocab.lm_head_weight, self.dflash)
+
+    def greedy_drafts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, H] final draft hidden rows -> [R] greedy draft tokens, the same on every tensor-parallel rank."""
+        return self.vocab.greedy(self.draft_logits(hidden))
 
     # ----------------------------------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):

@@ -33,6 +33,7 @@ _SPEC_EXTRAS = "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras
 _XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 _TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers"
+_PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 
 def env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
@@ -85,6 +86,7 @@ def register() -> None:
     HookRegistry.register(_TORCH_NATIVE, _torch_native_forward_extend, around)
     HookRegistry.register(_KV_COPY_INIT, _kv_copy_init, around)
     HookRegistry.register(_SPEC_EXTRAS, _resolve_spec_extras, around)
+    HookRegistry.register(_PARALLEL_GROUP, _init_model_parallel_group, around)
     # CPU only: xgrammar token bitmasks without pinned memory, applied with xgrammar's CPU kernel (cpu_grammar.py)
     HookRegistry.register(f"{_XGRAMMAR}._allocate_token_bitmask", _allocate_token_bitmask, around)
     HookRegistry.register(f"{_XGRAMMAR}.XGrammarGrammar.apply_vocab_mask", _apply_vocab_mask, around)
@@ -252,6 +254,17 @@ def _resolve_spec_extras(original, self, batch):
         return original(self, batch)
     finally:
         spec.future_indices = indices
+
+
+def _init_model_parallel_group(original, *args, **kwargs):
+    # CPU, --tp-size > 1: SGLang 0.5.17 asks for a PyNccl communicator in every group whatever the device, and its
+    # constructor needs a CUDA device. On CPU the groups' collectives already take torch.distributed over gloo
+    # (GroupCoordinator.all_reduce / all_gather on CPU tensors), so the CPU engine needs no NCCL at all.
+    from .cpu_ops import on_cpu_engine
+
+    if on_cpu_engine():
+        kwargs["use_pynccl"] = False
+    return original(*args, **kwargs)
 
 
 def _allocate_token_bitmask(original, vocab_size, batch_size):

@@ -141,6 +141,38 @@ def check_mask_token(cfg: DFlashConfig, server_args) -> None:
                                 "make mask_token_id match the tokenizer")
 
 
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"  # SGLang's own switch
+
+
+def check_context_length(cfg: DFlashConfig, server_args) -> None:
+    """The draft model is built for the target's context length; SGLang refuses a drafter whose own (derived from its
+    config as SGLang derives any model's) is shorter, but only inside the scheduler, after the target has loaded.
+    Say so here, with the two ways out."""
+    from sglang.srt.utils.hf_transformers.common import get_context_length
+
+    from types import SimpleNamespace
+
+    drafter = get_context_length(SimpleNamespace(**cfg.raw))
+    target = compat.target_context_len(server_args)
+    if target <= drafter or os.environ.get(LONGER_CONTEXT_ENV, "").strip().lower() in ("1", "true"):
+        return
+    raise DFlashStartupError(
+        f"the target's context length {target} exceeds the drafter's {drafter} (its config's "
+        f"max_position_embeddings; {server_args.speculative_draft_model_path}), and SGLang builds the draft model "
+        f"for the target's length. Fix: pass --context-length {drafter}, or set {LONGER_CONTEXT_ENV}=1 to let the "
+        f"drafter run at positions past {drafter} (output stays exactly the target's; acceptance may fall there)")
+
+
+def check_tensor_parallel(cfg: DFlashConfig, server_args) -> None:
+    """The drafter's heads are split over the ranks as the target's are (draft_model.rank_heads)."""
+    from .draft_model import rank_heads
+
+    try:
+        rank_heads(cfg, int(server_args.tp_size))
+    except ValueError as e:
+        raise DFlashStartupError(str(e)) from None
+
+
 def handle_dflash_args(original, server_args) -> None:
     """Replaces SGLang's ``_handle_dflash`` when our worker is selected (it also lifts the CUDA-only restriction)."""
     server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
@@ -154,6 +186,8 @@ def handle_dflash_args(original, server_args) -> None:
     if compat.dp_attention_enabled(server_args):
         raise DFlashStartupError("--enable-dp-attention is not supported by the sglang-dflash worker. "
                                  "Fix: drop it (tensor parallelism works)")
+    check_tensor_parallel(cfg, server_args)
+    check_context_length(cfg, server_args)
     if server_args.speculative_draft_window_size is not None:
         raise DFlashStartupError(f"--speculative-draft-window-size {server_args.speculative_draft_window_size}: "
                                  "not supported by the sglang-dflash worker yet. Fix: drop the flag "

@@ -23,6 +23,14 @@ running per-position acceptance and a step-time table). This module feeds it wit
   explored at a new bucket (`_worth_timing`): with a useless drafter, timing k = 15 at batch 128 costs ~5 plain
   steps per try, which a short run never earns back.
 
+Tensor parallelism: every rank runs this controller on the same steps, batch sizes and acceptance (the scheduler
+feeds each rank the same results), but on its own clock, and ranks that chose different widths would run different
+collectives and hang. So the decision reads only values every rank holds identically: the acceptance, the step
+count, which steps were timed (decided by the steps' order, never by a clock reading) and a step-time table that
+changes only at agreed steps, where rank 0's measured table is broadcast to the others (`TableShare`: one small CPU
+broadcast every SHARE_FIRST steps at first, then every SHARE_EVERY). Each rank's own timings stay in its local
+table, which only rank 0's broadcast turns into decisions.
+
 Operator controls (environment, read once at startup):
   SGLANG_DFLASH_K=k           pin the verify width to k drafts (0 = plain decode steps that keep the drafter's
                               context current); benchmarks use it to measure each width
@@ -39,6 +47,7 @@ Operator controls (environment, read once at startup):
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import logging
 import os
@@ -70,6 +79,10 @@ REFRESH_FIRST, REFRESH_STEPS = 256, 2048
 EXPLORE_MARGIN = 0.9
 USELESS_GAIN = 0.02  # E[commit | k] <= 1 + this: no width can pay (none costs less than a plain step), skip timing
 OUTLIER = 4.0  # a cycle longer than this times the table's value is clipped to it (GC pause, a stall)
+# Tensor parallelism: the decision table is rank 0's table, shared at these step counts (a share every 16 steps while
+# exploration fills the table, every 128 after): a gloo broadcast of a few hundred bytes, ~0.1 ms, i.e. well under
+# 1% of the steps in between.
+SHARE_FIRST, SHARE_FIRST_UNTIL, SHARE_EVERY = 16, 512, 128
 
 
 def default_widths(block: int) -> list[int]:
@@ -136,7 +149,8 @@ class _Step:
     follows: tuple[int, int] | None  # (k, bucket) of the decode step just before it, None if another forward ran
     cycle: float | None = None  # from its start to the next decode step's start; None if a prefill ran inside
     host: float | None = None  # the worker's own host time (step_begin to step_end), for the trace
-    seconds: float | None = None  # its cost, when a cycle can be attributed to its width
+    timed: bool = False  # its cycle belongs to its width (decided by the steps' order alone, the same on every rank)
+    seconds: float | None = None  # its cost, when timed and the clock reading makes sense
     closed: bool = False  # seconds are settled (possibly None)
     accepted: list[int] | None = field(default=None, repr=False)  # accepted drafts per row, from the scheduler
 
@@ -148,10 +162,15 @@ class _Step:
 class WidthController:
     """Chooses k per step and learns from finished steps; one per worker (one scheduler process)."""
 
-    def __init__(self, controls: WidthControls, block: int, enable_metrics: bool = False):
+    def __init__(self, controls: WidthControls, block: int, enable_metrics: bool = False,
+                 share: "TableShare | None" = None):
         self.controls, self.block = controls, block
         self.policy = WidthPolicy(block, controls.ks, StepCostTable(controls.ks), AcceptanceStats(block),
                                   pinned=controls.pinned, adaptive=controls.adaptive)
+        # this rank's measurements; the decisions read self.policy.costs, which is this same table on one GPU and
+        # the table shared from rank 0 under tensor parallelism (module docstring)
+        self.local_costs = self.policy.costs if share is None else StepCostTable(controls.ks)
+        self._share = share
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
         self._samples: dict = collections.defaultdict(list)  # (bucket, k) -> exploration times (for the median)
         self._last_timed: dict = {}  # (bucket, k) -> step count when it was last timed
@@ -177,6 +196,8 @@ class WidthController:
             return c.schedule[self._steps % len(c.schedule)]
         if c.pinned is not None or not c.adaptive or len(c.ks) == 1:
             return self.policy.choose(bs)
+        if self._share is not None and _share_due(self._steps):
+            self.policy.costs = self._share(self.local_costs)
         bucket = size_bucket(bs)
         for k in c.ks:  # explore: time every width that could win at this batch size before trusting the table
             if self._explored[bucket, k] < EXPLORE_STEPS and ((bucket, k) in self._refreshing
@@ -244,17 +265,18 @@ class WidthController:
         - Otherwise (a switch, or a prefill inside): not timed."""
         held, self._held = self._held, None
         if held is not None:
-            costs = self.policy.costs
+            costs = self.local_costs
             if (step.cycle is not None and held.cycle is not None and step.follows == held.key
-                    and held.follows == step.key and costs.has(step.k)):
-                seconds = held.cycle + step.cycle - costs.cost(step.bs, step.k)
-                held.seconds = seconds if seconds > 0 else None
+                    and held.follows == step.key):
+                held.timed = True
+                seconds = held.cycle + step.cycle - costs.cost(step.bs, step.k) if costs.has(step.k) else None
+                held.seconds = seconds if seconds is not None and seconds > 0 else None
             self._close(held)
         if step.cycle is not None and step.follows is not None and step.follows != step.key:
             self._held = step  # settled at the next cycle's end
             return
         if step.cycle is not None and step.follows == step.key:
-            step.seconds = step.cycle
+            step.timed, step.seconds = True, step.cycle
         self._close(step)
 
     def _close(self, step: _Step) -> None:
@@ -279,8 +301,10 @@ class WidthController:
     def _maybe_record(self, step: _Step) -> None:
         if step.accepted is None or not step.closed:
             return  # the other half comes later (non-overlap: the acceptance arrives before the cycle ends)
-        seconds, bucket, costs = step.seconds, size_bucket(step.bs), self.policy.costs
-        if seconds is not None:
+        # The counts below follow step.timed (the steps' order), never the clock, so they agree on every
+        # tensor-parallel rank; the seconds only go into this rank's table.
+        seconds, bucket, costs = step.seconds, size_bucket(step.bs), self.local_costs
+        if step.timed:
             key = bucket, step.k
             self._explored[key] += 1
             self._last_timed[key] = self._steps
@@ -288,14 +312,18 @@ class WidthController:
             if n == 1:
                 seconds = None  # warm-up: first timed use of a width at this size (allocator, autotuning, lazy init)
             elif n <= EXPLORE_STEPS:  # exploration: the table gets the median of the tries, once they are in
-                self._samples[key].append(seconds)
+                if seconds is not None:
+                    self._samples[key].append(seconds)
                 seconds = None
                 if n == EXPLORE_STEPS:
-                    costs.set(step.bs, step.k, float(statistics.median(self._samples[key])))
+                    if self._samples[key]:
+                        costs.set(step.bs, step.k, float(statistics.median(self._samples[key])))
                     self._refreshing.discard(key)
-            elif costs.has(step.k):
+            elif seconds is not None and costs.has(step.k):
                 seconds = min(seconds, OUTLIER * costs.cost(step.bs, step.k))
-        self.policy.record(step.bs, step.k, [n + 1 for n in step.accepted], seconds)
+        if seconds is not None:  # before the acceptance: a probe's feedback is judged on the updated table (1 GPU)
+            costs.observe(step.bs, step.k, seconds)
+        self.policy.record(step.bs, step.k, [n + 1 for n in step.accepted], None)
         if self._trace is not None:
             self._write_trace(step, seconds)
         now = time.monotonic()
@@ -320,6 +348,45 @@ class WidthController:
         costs = self.policy.costs
         known = " ".join(f"{k}:{costs.cost(bs, k) * 1e3:.2f}" for k in costs.widths if costs.has(k))
         return f"step ms at bs={bs} {{{known or '-'}}}"
+
+
+def _share_due(steps: int) -> bool:
+    """Whether the decision table is shared at this step count (the same answer on every rank)."""
+    every = SHARE_FIRST if steps < SHARE_FIRST_UNTIL else SHARE_EVERY
+    return steps % every == 0
+
+
+class TableShare:
+    """Tensor parallelism: rank 0's step-time table for every rank, over the TP group's CPU (gloo) group.
+
+    ``broadcast(obj, src)`` is ``torch.distributed.broadcast_object_list`` on that group in the server; tests give a
+    stand-in. Every rank must call it at the same step (``_share_due``)."""
+
+    def __init__(self, rank: int, broadcast):
+        self.rank, self._broadcast = rank, broadcast
+        self.shares = 0
+
+    def __call__(self, local: StepCostTable) -> StepCostTable:
+        table = self._broadcast(copy.deepcopy(local) if self.rank == 0 else None)
+        self.shares += 1
+        return table
+
+    @classmethod
+    def for_tp_group(cls) -> "TableShare | None":
+        """The share for SGLang's tensor-parallel group, None on one rank."""
+        import torch.distributed as dist
+        from sglang.srt.distributed import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return None
+
+        def broadcast(obj):
+            box = [obj]
+            dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+            return box[0]
+
+        return cls(group.rank_in_group, broadcast)
 
 
 def _width_counter():

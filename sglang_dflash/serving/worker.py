@@ -42,7 +42,7 @@ from .controls import SamplingControls
 from .profiling import phase as _phase
 from .startup import load_draft_config
 from .verify_widths import VerifyWidths
-from .width_control import WidthControls, WidthController
+from .width_control import TableShare, WidthControls, WidthController
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -95,7 +95,7 @@ class DFlashWorker(BaseSpecWorker):
             raise ValueError(f"the draft model was built from another drafter config than the worker's: "
                              f"{self.draft_model.dflash} != {self.cfg}. Fix: serve the drafter from a local directory")
         target = self.model_runner.model
-        self.draft_model.bind_target(target.get_input_embeddings().weight, _lm_head_weight(target))
+        self.draft_model.bind_target(target.get_input_embeddings(), _lm_head(target))
         # the commit runs inside the target's verify forward, so the verify graphs capture it (context_commit.py);
         # the stacked K/V weights are built now, eagerly, not lazily inside a graph capture
         self.draft_model.prepare_context_kv()
@@ -104,9 +104,13 @@ class DFlashWorker(BaseSpecWorker):
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
-        self._control = WidthController(controls, B,
+        # under tensor parallelism every rank must choose the same width: the ranks share rank 0's step-time table
+        self._control = WidthController(controls, B, share=TableShare.for_tp_group(),
                                         enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
 
+        from sglang.srt.distributed import get_tp_group
+
+        self._tp_group = get_tp_group() if int(server_args.tp_size) > 1 else None
         # per-step buffers, sized once (bs never exceeds max_running_requests)
         cap = max(int(server_args.max_running_requests or 48), 1)
         dev = self.device
@@ -192,7 +196,7 @@ class DFlashWorker(BaseSpecWorker):
         if bs * (B - 1) > GRAPH_HEAD_MAX_ROWS or bs > self._graph_drafts.shape[0]:
             return
         hidden = out.hidden_states[:num_tokens].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
-        self._graph_drafts[:bs].copy_(self.draft_model.draft_logits(hidden).argmax(dim=-1).view(bs, B - 1))
+        self._graph_drafts[:bs].copy_(self.draft_model.greedy_drafts(hidden).view(bs, B - 1))
         self._graph_head_bs.add(bs)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
@@ -343,7 +347,7 @@ class DFlashWorker(BaseSpecWorker):
         # 14 ms of a 38 ms step at bs=32 on an 8B-shaped pair).
         # Only the k rows that will be verified go through the lm_head (its [V, H] read dominates at small batch).
         hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:k + 1].reshape(bs * k, -1)
-        return self.draft_model.draft_logits(hidden).argmax(dim=-1).view(bs, k)
+        return self.draft_model.greedy_drafts(hidden).view(bs, k)
 
     def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs, width):
         vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),
@@ -374,8 +378,20 @@ class DFlashWorker(BaseSpecWorker):
         info = batch.sampling_info
         if info is None or info.is_all_greedy:  # the rule and the outputs in one launch on the GPU (k = 0 too)
             return self._greedy_accept(logits.argmax(dim=-1), verify_ids[:, 1:], prefix)
-        commit_lens, tokens = self._sampled(info, verify_ids[:, 1:], logits)
+        commit_lens, tokens = self._rank0_outcome(*self._sampled(info, verify_ids[:, 1:], logits))
         return (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
+
+    def _rank0_outcome(self, commit_lens, tokens):
+        """Tensor parallelism: the sampled rule draws random numbers, and ranks whose draws differed would commit
+        different tokens (different KV, then different collectives: a hang). Every rank takes rank 0's outcome, one
+        broadcast of [bs, W + 1] ints per sampled step (greedy steps agree by construction: every rank holds the same
+        gathered logits)."""
+        group = self._tp_group
+        if group is None:
+            return commit_lens, tokens
+        packed = torch.cat([commit_lens.to(torch.int64)[:, None], tokens.to(torch.int64)], dim=1)
+        group.broadcast(packed, src=0)
+        return packed[:, 0].to(commit_lens.dtype), packed[:, 1:].to(tokens.dtype)
 
     def _sampled(self, info, drafts, logits):
         bs, B, V = logits.shape
@@ -404,9 +420,8 @@ def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) ->
     return torch.repeat_interleave(first, lens, output_size=total) + torch.arange(total, device=device)
 
 
-def _lm_head_weight(model) -> torch.Tensor:
+def _lm_head(model) -> torch.nn.Module:
     head = getattr(model, "lm_head", None)
     if head is not None and hasattr(head, "weight"):
-        return head.weight
-    emb = model.get_input_embeddings()  # tied embeddings (e.g. Gemma, SmolLM2)
-    return emb.weight
+        return head
+    return model.get_input_embeddings()  # tied embeddings (e.g. Gemma, SmolLM2)

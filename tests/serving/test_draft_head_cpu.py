@@ -29,7 +29,7 @@ def stand_in(hidden: torch.Tensor, replayed_bs: int | None):
         decode_cuda_graph_runner=SimpleNamespace(bs=replayed_bs))
     me = SimpleNamespace(block=B, draft_runner=runner, _draft_spec_info=None, _graph_head_bs=set(),
                          _graph_drafts=torch.full((CAP, B - 1), -1, dtype=torch.int64),
-                         draft_model=SimpleNamespace(draft_logits=lambda h: h @ head.T))
+                         draft_model=SimpleNamespace(greedy_drafts=lambda h: (h @ head.T).argmax(-1)))
     return me, head
 
 

@@ -73,6 +73,10 @@ EXPECT = {
     "block": "does not match the drafter's block_size 16",
     "backend": "'foo' is not supported",
     "mask": "mask_token_id",
+    "pp": "--pp-size 2",
+    "dp_attention": "--enable-dp-attention",
+    "tp_heads": "cannot be split over --tp-size 3",
+    "context": "exceeds the drafter's 1024",
 }
 
 
@@ -86,6 +90,11 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
         "block": _argv(target, draft, "--speculative-num-draft-tokens", "8"),
         "backend": _argv(target, draft, "--speculative-draft-attention-backend", "foo"),
         "mask": _argv(target, _variant(draft, tmp_path / "mask", drop_mask=True)),
+        "pp": _argv(target, draft, "--pp-size", "2"),
+        "dp_attention": _argv(target, draft, "--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"),
+        "tp_heads": _argv(target, draft, "--tp-size", "3"),  # the drafter has 4 heads
+        "context": _argv(target, _variant(draft, tmp_path / "context", max_position_embeddings=1024)),
+        "tp2": _argv(target, draft, "--tp-size", "2"),
     }
     env = dict(os.environ, SGLANG_ENABLE_SPEC_V2="1", SGLANG_ENABLE_DFLASH_SPEC_V2="1")
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True,
@@ -94,6 +103,7 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
     assert line, f"probe failed:\n{proc.stderr[-3000:]}"
     results = json.loads(line[0][len("RESULTS"):])
     assert results["good"] == "OK", results["good"]
+    assert results["tp2"] == "OK", results["tp2"]
     for name, needle in EXPECT.items():
         assert results[name] != "OK", f"{name}: accepted, should be refused"
         assert needle in results[name], f"{name}: message does not name the value: {results[name]}"
