@@ -165,3 +165,101 @@ def test_configure_capture_modes(monkeypatch, mode):
     capture.configure_capture(sglang_configure, model=plain, dflash_use_aux_hidden_state=True,
                               dflash_target_layer_ids=[1], is_dspark=False)
     assert torch.equal(plain(x)[0], ref[1])
+
+
+# ----------------------------------------------------------------- CUDA graphs that replay the body only
+class Mode:
+    """capture_hidden_mode as SGLang's ForwardBatch / LogitsMetadata carry it."""
+
+    def __init__(self, need: bool):
+        self.need = need
+
+    def need_capture(self):
+        return self.need
+
+
+def batch(need: bool):
+    return type("Batch", (), {"capture_hidden_mode": Mode(need)})()
+
+
+def test_a_body_only_graph_replay_hands_over_the_rows_its_capture_recorded(monkeypatch):
+    """SGLang's prefill graphs (breakable / full) replay the model's body and run the logits processor eagerly: no
+    layer hook runs at a replay. The rows recorded while the graph was captured live in one buffer the replays
+    rewrite; the eager hand-over reads them there (before this, it passed nothing and the drafter got the final
+    hidden state, one layer wide: the Qwen3.5 crash)."""
+    model = CausalLM()
+    capture.install_capture_hook(model)
+    monkeypatch.setattr(capture, "graph_rows", lambda: 6)
+    model.set_dflash_layers_to_capture([0, 2, 4])
+    x = torch.randn(4, 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    captured = model(x)  # "capture": the hooks run, and also fill the replay buffer
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    handed = model.logits_processor(None, torch.zeros(4, 8), None, batch(True))  # "replay": only the eager tail
+    assert torch.equal(handed, torch.cat(captured, dim=-1))
+    assert model.logits_processor(None, torch.zeros(4, 8), None, batch(False)) is None  # nobody asks: nothing
+    eager = model(torch.randn(4, 8))  # an eager forward still hands over its own fresh rows
+    assert isinstance(eager, list) and not torch.equal(eager[0], captured[0])
+
+
+def test_a_hand_over_that_finds_no_rows_is_an_error_not_a_silent_pass():
+    model = CausalLM()
+    capture.install_capture_hook(model)
+    model.set_dflash_layers_to_capture([1, 3])  # outside a server: no graphs, no replay buffer
+    with pytest.raises(RuntimeError, match="no capture hook ran in this forward.*Fix"):
+        model.logits_processor(None, torch.zeros(2, 8), None, batch(True))
+
+
+def test_a_layer_whose_all_reduce_is_fused_into_the_next_is_refused():
+    model = CausalLM(n=2)
+    capture.install_capture_hook(model)
+    model.set_dflash_layers_to_capture([0])
+    hidden = torch.zeros(1, 8)
+    hidden._sglang_needs_allreduce_fusion = True  # SGLang's mark: a per-rank partial sum
+    with pytest.raises(capture.CaptureUnsupportedError, match="partial sum.*Fix"):
+        capture.residual_stream(model, (hidden, torch.zeros(1, 8)))
+
+
+# ------------------------------------------------------------------------- Qwen3.5 text wrappers (SGLang 0.5.17)
+class _Body(torch.nn.Module):
+    """Stands in for the Qwen3.5 body (SGLang's qwen3_5.Qwen3_5ForCausalLM), with its real capture setter."""
+
+    def __init__(self, n, setter):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(n))
+        self._setter = setter
+        self.aux = None
+
+    def set_dflash_layers_to_capture(self, ids):
+        self._setter(self, ids)
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        return torch.zeros(2, 8), self.aux
+
+
+@pytest.mark.parametrize("cls_name", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen3_5_text_wrappers_get_their_bodys_native_capture(cls_name):
+    """SGLang 0.5.17's text-only Qwen3.5 classes (the seeds' Qwen3.5-35B-A3B) have no capture hook, but their body
+    captures "before layer i" and their forward hands the body's (hidden, aux) to the logits processor. Checked on
+    SGLang's own classes: the wrapper gets a setter that flags the body's layers ids + 1 (the body's real method),
+    its real forward passes the body's rows through, and the last layer (no "before" in the body) is refused."""
+    text = pytest.importorskip("sglang.srt.models.qwen3_5_text")
+    body_cls = pytest.importorskip("sglang.srt.models.qwen3_5").Qwen3_5ForCausalLM
+    cls = getattr(text, cls_name)
+    assert not hasattr(cls, capture.NATIVE) and (cls.__module__, cls.__name__) in capture.BODY_NATIVE
+    model = cls.__new__(cls)  # the class's own methods on stand-in parts (no weights, no kernels)
+    torch.nn.Module.__init__(model)
+    model.model = _Body(6, body_cls.set_dflash_layers_to_capture)
+    model.logits_processor = Processor()
+    model.pp_group = type("PP", (), {"is_last_rank": True})()
+    model.is_mrope_enabled, model.lm_head = False, None
+    capture.configure_capture(sglang_configure, model=model, dflash_use_aux_hidden_state=True,
+                              dflash_target_layer_ids=[0, 2, 4], is_dspark=False)
+    flagged = [i for i, layer in enumerate(model.model.layers) if getattr(layer, "_is_layer_to_capture", False)]
+    assert flagged == [1, 3, 5]
+    model.model.aux = [torch.ones(2, 8), 2 * torch.ones(2, 8), 3 * torch.ones(2, 8)]
+    handed = cls.forward(model, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), None)
+    assert handed is model.model.aux
+    with pytest.raises(capture.CaptureUnsupportedError, match="include the last layer"):
+        model.set_dflash_layers_to_capture([2, 5])

@@ -124,6 +124,17 @@ def target_hf_config(server_args):
     return model_config_of(server_args).hf_config
 
 
+def prefill_graph_config():
+    """This process's prefill CUDA-graph settings (backend, bs, max_bs), or None if SGLang keeps none."""
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        args = get_global_server_args()
+    except ValueError:  # "Global server args is not set yet": a model built outside a server (tests), no graphs
+        return None
+    return getattr(getattr(args, "cuda_graph_config", None), "prefill", None)
+
+
 def target_context_len(server_args) -> int:
     """The target's context length as SGLang derives it (the flag, else the checkpoint's), what the draft model's
     config is built with."""

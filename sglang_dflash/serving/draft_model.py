@@ -226,12 +226,32 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(cfg.num_context_features * h, h, bias=False)
         self.hidden_norm = _norm(h, cfg.rms_norm_eps, cfg.gemma_norm)
         self.vocab: TargetVocab | None = None  # the target's embedding and lm_head, set by bind_target
+        self.target_name = "the target"  # its model class, for errors (bind_target)
         self._context_weights = None  # stacked K/V projections of all layers (write_context_kv)
 
     # ------------------------------------------------------------------------------------------ wiring
-    def bind_target(self, embed: nn.Module, lm_head: nn.Module) -> None:
+    def bind_target(self, embed: nn.Module, lm_head: nn.Module, target_name: str = "the target") -> None:
         """The target's embedding and lm_head modules (tied targets: the embedding twice)."""
         self.vocab = TargetVocab(embed, lm_head, self.dflash.vocab_size)
+        self.target_name = target_name
+
+    def check_features(self, target_features: torch.Tensor) -> None:
+        """The captured rows must be one hidden state per target_layer_id. Checked on every write (a shape compare,
+        no sync), so the first forward that would feed the drafter wrong features stops the server with the widths
+        and the fix, at start-up: SGLang's warm-up request and the verify graphs' capture run it before the server
+        reports healthy (else a request died later on a matmul shape error deep in the drafter)."""
+        cfg = self.dflash
+        want = cfg.num_context_features * cfg.hidden_size
+        got = target_features.shape[-1]
+        if got != want:
+            raise RuntimeError(
+                f"sglang-dflash: the hidden-state capture of {self.target_name} handed the drafter {got} features per "
+                f"token, but the drafter needs {cfg.num_context_features} layers x hidden {cfg.hidden_size} = {want} "
+                f"(target_layer_ids {list(cfg.target_layer_ids)})"
+                + (" : one layer's width, i.e. the final hidden state instead of the captured layers"
+                   if got == cfg.hidden_size else "")
+                + ". Fix: run with SGLANG_DFLASH_CAPTURE=check on a CPU server to compare the capture with the "
+                "native one, or with --disable-cuda-graph; report the model class")
 
     def get_attention_sliding_window_size(self):
         windows = [self.dflash.layer_window(i) for i in range(self.dflash.num_hidden_layers)]
@@ -251,6 +271,7 @@ class DFlashDraftModel(nn.Module):
         Context rows skip input_layernorm: K = rope(k_norm(W_k ctx)), V = W_v ctx. All layers at once (one K and one
         V matmul over stacked weights, one norm, one rope), because this runs eagerly in every decode step and its
         launch count is host time."""
+        self.check_features(target_features)
         ctx = self.project_context(target_features)
         n, layers = ctx.shape[0], len(self.layers)
         attn0 = self.layers[0].self_attn

@@ -40,6 +40,7 @@ from . import compat
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .profiling import phase as _phase
+from .recurrent_state import RecurrentStateCommit
 from .startup import load_draft_config
 from .verify_widths import VerifyWidths
 from .width_control import TableShare, WidthControls, WidthController
@@ -95,7 +96,7 @@ class DFlashWorker(BaseSpecWorker):
             raise ValueError(f"the draft model was built from another drafter config than the worker's: "
                              f"{self.draft_model.dflash} != {self.cfg}. Fix: serve the drafter from a local directory")
         target = self.model_runner.model
-        self.draft_model.bind_target(target.get_input_embeddings(), _lm_head(target))
+        self.draft_model.bind_target(target.get_input_embeddings(), _lm_head(target), type(target).__name__)
         # the commit runs inside the target's verify forward, so the verify graphs capture it (context_commit.py);
         # the stacked K/V weights are built now, eagerly, not lazily inside a graph capture
         self.draft_model.prepare_context_kv()
@@ -162,6 +163,8 @@ class DFlashWorker(BaseSpecWorker):
 
     def init_attention_backends(self):
         self._draft_worker.init_attention_backends()
+        # hybrid targets: the linear-attention state after a verify must be the state after the committed tokens
+        self._recurrent = RecurrentStateCommit(self.model_runner)
 
     def init_cuda_graphs(self):
         from sglang.srt.runtime_context import get_exec
@@ -277,9 +280,11 @@ class DFlashWorker(BaseSpecWorker):
 
         # 2) verify: one target pass over [bonus, d_1..d_k], logits for every position + hidden capture
         # (the verify forward also commits the rows' context K/V into the draft cache: context_commit.py)
+        self._recurrent.before_verify(batch)
         with _phase("dflash.verify"), self._widths.target_at(W):
             verify_lens = block_lens if W == B else self._host_lens(batch, state, W)  # W = B: k > 0, lens set
             logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, verify_lens, bs, W)
+            verify_backend = self.model_runner.attn_backend  # this width's (verify_widths.py)
 
         # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
         #    on the rows processed as plain decoding would (penalties, min_new_tokens, grammar, logit_bias: each row
@@ -290,7 +295,9 @@ class DFlashWorker(BaseSpecWorker):
             commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens = self._accept(batch, verify_ids, logits,
                                                                                           prefix)
             self._controls.commit(pending, tokens, commit_lens)
-        # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); publish
+        # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); a
+        #    hybrid target's recurrent state is set to the state after the committed tokens; publish
+        self._recurrent.after_accept(verify_backend, batch, prefix, commit_lens)
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._control.step_end()

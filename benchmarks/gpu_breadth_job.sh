@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One background GPU job for the breadth issues: tensor parallelism (#32) and hybrid / MoE targets (#31). Started on
+# the lent GPU machine once the device stack is installed, then polled (a machine idle 30 s goes back):
+#   nohup bash benchmarks/gpu_breadth_job.sh > /tmp/job/log 2>&1 &
+# It runs from a snapshot under /tmp/job/snap (the device re-syncs the repo folder at every call).
+#   tp2     driver, Qwen3-8B shape (random weights), --tp-size 2 on two GPUs: TP2_METHODS (none, ours-fixed, ours,
+#           builtin), greedy, c = 1, 8, 32, 64; the report's cross-check compares every greedy output with none's
+#                                                                                                 -> /tmp/job/tp2
+#   hybrid  driver, Qwen3.5-35B-A3B shape (hybrid Gated DeltaNet + attention, MoE; random weights) on one GPU with
+#           SGLang's extra-buffer mamba radix cache and its default prefill CUDA graphs (the path that crashed):
+#           HYBRID_METHODS (none, ours-fixed, ours, builtin: SGLang 0.5.17's builtin refuses this class at start,
+#           recorded as skipped), greedy, c = 1, 8, 32                                          -> /tmp/job/hybrid
+#   gptoss  driver, gpt-oss-20b shape (alternating sliding / full attention with sinks, MoE; bf16 random weights):
+#           GPTOSS_METHODS (none, ours-fixed, builtin), greedy, c = 1, 8, 32                    -> /tmp/job/gptoss
+# PHASES picks and orders them (default tp2); /tmp/job/<phase>.done marks each finished phase, and
+# /tmp/job/results.tar.gz holds every result so far.
+set -uo pipefail
+JOB=/tmp/job
+SNAP=$JOB/snap
+mkdir -p "$JOB" && rm -rf "$SNAP" && mkdir -p "$SNAP"
+tar --exclude=./.devstack --exclude=./.stage --exclude=./.carry -cf - . | tar -C "$SNAP" -xf -
+cd "$SNAP" && source benchmarks/gpu_env.sh || exit 1
+# the Qwen3-8B runs' settings (gpu_step_job.sh), plus the ranks
+COMMON_TP2="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.8
+ --cuda-graph-max-bs-decode 64 --max-running-requests 64 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode 1 2 4 8 16 32 64 --tp-size 2"
+# the preset's flags (launch/qwen3.5-35b-a3b.sh) at max batch 32; prefill CUDA graphs left on (SGLang's default)
+COMMON_HYBRID="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.85
+ --cuda-graph-max-bs-decode 32 --max-running-requests 32 --mamba-radix-cache-strategy extra_buffer --trust-remote-code
+ --cuda-graph-bs-decode 1 2 4 8 16 32"
+COMMON_GPTOSS="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.85
+ --cuda-graph-max-bs-decode 32 --max-running-requests 32 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode 1 2 4 8 16 32"
+
+cost() {  # RUN SHAPE METHODS CONCURRENCY COMMON VOCAB: gpu_cost_run.sh (driver + report) into RUN
+  OUT= RUN=$1 SHAPE=$2 METHODS=$3 CONCURRENCY=$4 COMMON_ARGS=$5 RANDOM_VOCAB=$6 TEMPERATURES=0 ROUNDS=2 \
+    DEADLINE_S=2400 bash benchmarks/gpu_cost_run.sh
+}
+
+for phase in $(echo "${PHASES:-tp2}" | tr , ' '); do
+  echo "=== $phase $(date -u +%T)"
+  case $phase in
+    tp2) cost $JOB/tp2 qwen3-8b "${TP2_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32,64 "$COMMON_TP2" 151000 ;;
+    hybrid) cost $JOB/hybrid qwen3.5-35b-a3b "${HYBRID_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32 \
+              "$COMMON_HYBRID" 248000 ;;
+    gptoss) cost $JOB/gptoss gpt-oss-20b "${GPTOSS_METHODS:-none,ours-fixed,builtin}" 1,8,32 "$COMMON_GPTOSS" 200000 ;;
+  esac
+  touch "$JOB/$phase.done"
+  done_dirs=$(cd $JOB && ls -d tp2 hybrid gptoss 2>/dev/null)
+  tar czf $JOB/results.tar.gz -C $JOB $done_dirs 2>/dev/null
+done
+echo "=== all done $(date -u +%T)"
