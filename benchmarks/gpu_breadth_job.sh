@@ -12,6 +12,9 @@
 #           recorded as skipped), greedy, c = 1, 8, 32                                          -> /tmp/job/hybrid
 #   gptoss  driver, gpt-oss-20b shape (alternating sliding / full attention with sinks, MoE; bf16 random weights):
 #           GPTOSS_METHODS (none, ours-fixed, builtin), greedy, c = 1, 8, 32                    -> /tmp/job/gptoss
+#   fa4     draft attention on fa4 (SGLang's vendored flash_attn.cute, SM90 path; needs `gpu_stage.sh fa4` first),
+#           Qwen3-8B shape, one GPU: none / ours-fixed / builtin with draft triton (-> /tmp/job/fa4-triton), then
+#           ours-fixed / builtin with draft fa4 (-> /tmp/job/fa4, cross-checked against the same none), c = 1, 8, 32
 # PHASES picks and orders them (default tp2); /tmp/job/<phase>.done marks each finished phase, and
 # /tmp/job/results.tar.gz holds every result so far.
 set -uo pipefail
@@ -28,12 +31,15 @@ COMMON_TP2="--attention-backend triton --sampling-backend pytorch --grammar-back
 COMMON_HYBRID="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.85
  --cuda-graph-max-bs-decode 32 --max-running-requests 32 --mamba-radix-cache-strategy extra_buffer --trust-remote-code
  --cuda-graph-bs-decode 1 2 4 8 16 32"
+COMMON_8B="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.8
+ --cuda-graph-max-bs-decode 32 --max-running-requests 32 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode 1 2 4 8 16 32"
 COMMON_GPTOSS="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.85
  --cuda-graph-max-bs-decode 32 --max-running-requests 32 --trust-remote-code --disable-prefill-cuda-graph
  --cuda-graph-bs-decode 1 2 4 8 16 32"
 
 cost() {  # RUN SHAPE METHODS CONCURRENCY COMMON VOCAB: gpu_cost_run.sh (driver + report) into RUN
-  OUT= RUN=$1 SHAPE=$2 METHODS=$3 CONCURRENCY=$4 COMMON_ARGS=$5 RANDOM_VOCAB=$6 TEMPERATURES=0 ROUNDS=2 \
+  OUT= RUN=$1 SHAPE=$2 METHODS=$3 CONCURRENCY=$4 COMMON_ARGS=$5 RANDOM_VOCAB=$6 SPEC_ARGS="${SPEC_ARGS:-}" TEMPERATURES=0 ROUNDS=2 \
     DEADLINE_S=2400 bash benchmarks/gpu_cost_run.sh
 }
 
@@ -43,10 +49,15 @@ for phase in $(echo "${PHASES:-tp2}" | tr , ' '); do
     tp2) cost $JOB/tp2 qwen3-8b "${TP2_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32,64 "$COMMON_TP2" 151000 ;;
     hybrid) cost $JOB/hybrid qwen3.5-35b-a3b "${HYBRID_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32 \
               "$COMMON_HYBRID" 248000 ;;
+    fa4)
+      cost $JOB/fa4-triton qwen3-8b "${FA4_BASE_METHODS:-none,ours-fixed,builtin}" 1,8,32 "$COMMON_8B" 151000
+      mkdir -p $JOB/fa4 && cp $JOB/fa4-triton/none.json $JOB/fa4-triton/none.outputs.jsonl.gz $JOB/fa4/
+      SPEC_ARGS="--speculative-algorithm DFLASH --speculative-draft-attention-backend fa4" \
+        cost $JOB/fa4 qwen3-8b "${FA4_METHODS:-ours-fixed,builtin}" 1,8,32 "$COMMON_8B" 151000 ;;
     gptoss) cost $JOB/gptoss gpt-oss-20b "${GPTOSS_METHODS:-none,ours-fixed,builtin}" 1,8,32 "$COMMON_GPTOSS" 200000 ;;
   esac
   touch "$JOB/$phase.done"
-  done_dirs=$(cd $JOB && ls -d tp2 hybrid gptoss 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d tp2 hybrid gptoss fa4-triton fa4 2>/dev/null)
   tar czf $JOB/results.tar.gz -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

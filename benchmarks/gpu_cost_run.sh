@@ -9,7 +9,8 @@
 # RUN accumulates across calls while the machine stays warm (one report over every method run so far).
 # Results: $OUT/<name>.tar.gz (JSON, greedy outputs, server logs) and $OUT/summary.md, also when the call's
 # deadline (DEADLINE_S, default 560) stops the driver early. COMMON_ARGS replaces the driver's launch_server
-# arguments for every method (default: benchmarks/driver.py DEFAULT_COMMON).
+# arguments for every method (default: benchmarks/driver.py DEFAULT_COMMON); SPEC_ARGS the speculative methods' extra
+# ones (default: driver.py DEFAULT_SPEC, triton draft attention).
 # The device tool kills a call at its limit (600 s, or less when the session's device time is nearly spent) and
 # then returns only what is under $OUT: while the driver runs, RUN is mirrored into $OUT/partial every 15 s, so a
 # call cut short still brings back every method that finished. Keep DEADLINE_S >= 60 s under the call's limit_s.
@@ -26,7 +27,7 @@ fi
 [ -d "/tmp/shape-$SHAPE" ] || python3 -m sglang_dflash.targets.shapes write "$SHAPE" "/tmp/shape-$SHAPE" || exit 1
 timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp/shape-$SHAPE/target" \
   --draft "/tmp/shape-$SHAPE/draft" --dummy --methods "${METHODS:-none,builtin,ours}" --out "$RUN" \
-  --wait-s "${WAIT_S:-300}" ${COMMON_ARGS:+--common-args "$COMMON_ARGS"} --title "$SHAPE-shaped random weights: step cost" ${DRIVER_ARGS:-} -- \
+  --wait-s "${WAIT_S:-300}" ${COMMON_ARGS:+--common-args "$COMMON_ARGS"} ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --title "$SHAPE-shaped random weights: step cost" ${DRIVER_ARGS:-} -- \
   --datasets random --temperatures "${TEMPERATURES:-0}" --concurrency "${CONCURRENCY:-1,8,32,64,128}" --max-new-tokens 256 \
   --ignore-eos --random-input-len 128 --random-vocab "${RANDOM_VOCAB:-151000}" --rounds "${ROUNDS:-2}" \
   --min-convs 4 --no-progress

@@ -271,9 +271,10 @@ def main(argv: list[str]) -> int:
         target, drafter = shapes.shrink_pair(shape)
         shape_dir = out / name
         shapes.write(dataclasses.replace(shape, target=target, drafter=drafter), shape_dir)
-        # SGLang accepts only triton / trtllm_mha attention for Gemma-4 (server_args.py); the others take the
-        # CPU backend. Nothing runs attention here, the choice only passes SGLang's argument checks.
-        backend = "triton" if target["model_type"] == "gemma4_text" else "torch_native"
+        # SGLang accepts only GPU attention backends for Gemma-4 and gpt-oss (server_args.py: triton, trtllm_mha,
+        # fa3, ...); the others take the CPU backend. Nothing runs attention here, the choice only passes SGLang's
+        # argument checks.
+        backend = "triton" if target["model_type"] in ("gemma4_text", "gpt_oss") else "torch_native"
         for mode in ("plain", "dflash"):
             results[f"{name}/{mode}"] = _attempt(start, shape_dir, mode == "dflash", backend,
                                                  build_models and mode == "dflash")

@@ -23,7 +23,7 @@ def dry(script: Path, *args: str) -> subprocess.CompletedProcess:
 def test_presets_exist():
     names = {p.stem for p in SCRIPTS}
     assert {"gemma-4-26b-a4b-it", "gemma-4-31b-it", "qwen3-8b", "qwen3.5-35b-a3b", "llama3.1-8b-instruct",
-            "smollm2-135m", "gemma-3-270m"} <= names
+            "smollm2-135m", "gemma-3-270m", "gpt-oss-20b"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS + [LAUNCH / "common.sh"], ids=lambda p: p.name)
