@@ -26,15 +26,14 @@ it reads tensors on the host, so it is for CPU tests and debugging, not for CUDA
 from __future__ import annotations
 
 import logging
-import os
 import types
 
 import torch
 
+from ..settings import CAPTURE as CAPTURE_ENV, CAPTURE_MODES as MODES, current as settings
+
 logger = logging.getLogger("sglang_dflash")
 
-CAPTURE_ENV = "SGLANG_DFLASH_CAPTURE"
-MODES = ("auto", "generic", "check")
 NATIVE = "set_dflash_layers_to_capture"
 # where SGLang's model classes keep their decoder layers (CausalLM.model.layers for nearly all; multimodal wrappers)
 LAYER_PATHS = ("model.layers", "language_model.model.layers", "language_model.layers", "model.language_model.layers")
@@ -45,10 +44,7 @@ class CaptureUnsupportedError(ValueError):
 
 
 def capture_mode() -> str:
-    mode = os.environ.get(CAPTURE_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{CAPTURE_ENV}={mode!r}: unknown capture mode. Fix: use one of {MODES} (or unset it)")
-    return mode
+    return settings().capture
 
 
 def _unsupported(model, why: str) -> CaptureUnsupportedError:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-import os
 import re
+
+from ..settings import ALLOW_UNTESTED_SGLANG as ALLOW_UNTESTED_ENV, current as settings
 
 # (major, minor, micro) of every release the CPU serving tests pass on; keep in step with pyproject's extras
 # (serve = 0.5.17, serve-latest = 0.5.23) and the README's compatibility table.
 TESTED_RELEASES = ((0, 5, 17), (0, 5, 23))
-ALLOW_UNTESTED_ENV = "SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG"
 
 
 def _installed_sglang_version() -> str | None:
@@ -59,7 +59,7 @@ class UnsupportedSGLangVersion(RuntimeError):
 
 
 def _allow_untested() -> bool:
-    return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return settings().allow_untested_sglang
 
 
 def refusal(version: str | None = None) -> str | None:
