@@ -72,7 +72,7 @@ def refusal(version: str | None = None) -> str | None:
     return (f"sglang {version or '(not installed)'} is not supported by sglang-dflash: it supports SGLang "
             f"{SUPPORTED_TEXT} (tested releases only, since its hooks patch SGLang internals that move between "
             f"releases). Fix: pip install 'sglang==0.5.17' (GPU line, torch 2.11) or 'sglang==0.5.23' (torch 2.14), "
-            f"i.e. pip install 'sglang-dflash[serve]' or 'sglang-dflash[serve-latest]'; or set "
+            f"i.e. the extra serve or serve-latest of sglang-dflash (docs/VERSIONS.md); or set "
             f"{ALLOW_UNTESTED_ENV}=1 to try this release at your own risk; or set SGLANG_DFLASH_WORKER=builtin to run "
             f"SGLang's own DFLASH worker without this plugin")
 
