@@ -228,7 +228,7 @@ def run(cmd: ServeCommand, host: str, port: int, poll_s: float = 1.0) -> int:
         try:
             server.start()
         except RuntimeError as e:  # the port is taken: /health would be another server's
-            print(f"sglang-dflash serve: {e}", file=sys.stderr)
+            print(f"sglang-dflash serve: {e} (here: sglang-dflash serve --port N)", file=sys.stderr)
             return 1
         announced = False
         while not received and server.alive():

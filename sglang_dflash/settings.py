@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PREFIX = "SGLANG_DFLASH_"
 WORKER = "SGLANG_DFLASH_WORKER"
 ALLOW_UNTESTED_SGLANG = "SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG"
 CAPTURE = "SGLANG_DFLASH_CAPTURE"
