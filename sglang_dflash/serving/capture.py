@@ -42,15 +42,14 @@ it reads tensors on the host, so it is for CPU tests and debugging, not for CUDA
 from __future__ import annotations
 
 import logging
-import os
 import types
 
 import torch
 
+from ..settings import CAPTURE as CAPTURE_ENV, CAPTURE_MODES as MODES, current as settings
+
 logger = logging.getLogger("sglang_dflash")
 
-CAPTURE_ENV = "SGLANG_DFLASH_CAPTURE"
-MODES = ("auto", "generic", "check")
 NATIVE = "set_dflash_layers_to_capture"
 # (module, class) of wrappers whose body has the native capture and whose forward hands the body's (hidden, aux) to
 # the logits processor; read from SGLang 0.5.17's source (srt/models/qwen3_5_text.py)
@@ -65,10 +64,7 @@ class CaptureUnsupportedError(ValueError):
 
 
 def capture_mode() -> str:
-    mode = os.environ.get(CAPTURE_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{CAPTURE_ENV}={mode!r}: unknown capture mode. Fix: use one of {MODES} (or unset it)")
-    return mode
+    return settings().capture
 
 
 def _unsupported(model, why: str) -> CaptureUnsupportedError:

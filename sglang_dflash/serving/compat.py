@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-import os
 import re
+
+from ..settings import ALLOW_UNTESTED_SGLANG as ALLOW_UNTESTED_ENV, current as settings
 
 # (major, minor, micro) of every release the CPU serving tests pass on; keep in step with pyproject's extras
 # (serve = 0.5.17, serve-latest = 0.5.23) and the README's compatibility table.
 TESTED_RELEASES = ((0, 5, 17), (0, 5, 23))
-ALLOW_UNTESTED_ENV = "SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG"
 
 
 def _installed_sglang_version() -> str | None:
@@ -59,7 +59,7 @@ class UnsupportedSGLangVersion(RuntimeError):
 
 
 def _allow_untested() -> bool:
-    return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return settings().allow_untested_sglang
 
 
 def refusal(version: str | None = None) -> str | None:
@@ -72,7 +72,7 @@ def refusal(version: str | None = None) -> str | None:
     return (f"sglang {version or '(not installed)'} is not supported by sglang-dflash: it supports SGLang "
             f"{SUPPORTED_TEXT} (tested releases only, since its hooks patch SGLang internals that move between "
             f"releases). Fix: pip install 'sglang==0.5.17' (GPU line, torch 2.11) or 'sglang==0.5.23' (torch 2.14), "
-            f"i.e. pip install 'sglang-dflash[serve]' or 'sglang-dflash[serve-latest]'; or set "
+            f"i.e. the extra serve or serve-latest of sglang-dflash (docs/VERSIONS.md); or set "
             f"{ALLOW_UNTESTED_ENV}=1 to try this release at your own risk; or set SGLANG_DFLASH_WORKER=builtin to run "
             f"SGLang's own DFLASH worker without this plugin")
 

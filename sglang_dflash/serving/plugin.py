@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import os
 
+from ..settings import WORKER as WORKER_ENV, current as settings
+
 logger = logging.getLogger("sglang_dflash")
 
-WORKER_ENV = "SGLANG_DFLASH_WORKER"
-_CHOICES = ("ours", "builtin")
 # Flags from older SGLang docs; 0.5.17 always runs the V2 (overlap-capable) worker, so they mean nothing now.
 _OLD_FLAGS = ("SGLANG_ENABLE_SPEC_V2", "SGLANG_ENABLE_DFLASH_SPEC_V2")
 
@@ -36,17 +36,8 @@ _TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnB
 _PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 
-def env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
-    """The value of a switch variable among ``choices`` (the first is the default, also when unset or empty)."""
-    value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: unknown {what}. Fix: set it to one of {choices} "
-                         f"(or unset it for {choices[0]})")
-    return value
-
-
 def selected_worker() -> str:
-    return env_choice(WORKER_ENV, _CHOICES, "worker")
+    return settings().worker
 
 
 def register() -> None:

@@ -26,17 +26,15 @@ import logging
 
 import torch
 
-from .plugin import env_choice
+from ..settings import VERIFY_ATTENTION as KERNEL_ENV, get as setting
 
 logger = logging.getLogger("sglang_dflash")
 
-KERNEL_ENV = "SGLANG_DFLASH_VERIFY_ATTENTION"
-_CHOICES = ("ours", "sglang")
 _logged: set[str] = set()
 
 
 def selected_kernel() -> str:
-    return env_choice(KERNEL_ENV, _CHOICES, "verify attention kernel")
+    return setting(KERNEL_ENV)
 
 
 def _log_once(level: int, message: str, *args) -> None:

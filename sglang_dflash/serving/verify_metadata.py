@@ -15,10 +15,7 @@ ours.
 from __future__ import annotations
 
 from ..kernels.verify_metadata import verify_metadata
-from .plugin import env_choice
-
-METADATA_ENV = "SGLANG_DFLASH_VERIFY_METADATA"
-_CHOICES = ("ours", "sglang")
+from ..settings import VERIFY_METADATA as METADATA_ENV, get as setting
 
 
 def update_target_verify_buffers(original, self, bs, seq_lens, req_pool_indices, spec_info):
@@ -38,4 +35,4 @@ def _ours_serves(backend, spec_info) -> bool:
         return False
     if (getattr(backend, "sliding_window_size", None) or 0) > 0:
         return False
-    return env_choice(METADATA_ENV, _CHOICES, "verify metadata") == "ours"
+    return setting(METADATA_ENV) == "ours"

@@ -55,13 +55,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from .. import settings
 from ..adaptive import AcceptanceStats, StepCostTable, WidthPolicy, parse_widths
 
 logger = logging.getLogger("sglang_dflash")
 
-ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = "SGLANG_DFLASH_K", "SGLANG_DFLASH_ADAPTIVE", "SGLANG_DFLASH_WIDTHS"
-ENV_SCHEDULE, ENV_LOG_EVERY = "SGLANG_DFLASH_K_SCHEDULE", "SGLANG_DFLASH_LOG_EVERY_S"
-ENV_TRACE = "SGLANG_DFLASH_STEP_TRACE"
+ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = settings.K, settings.ADAPTIVE, settings.WIDTHS
+ENV_SCHEDULE, ENV_LOG_EVERY, ENV_TRACE = settings.K_SCHEDULE, settings.LOG_EVERY_S, settings.STEP_TRACE
 # Timed tries of each width per batch-size bucket before the table is trusted: the first is warm-up, the table gets
 # the median of the others. The median because the first steps after a server starts or a width first runs at a
 # batch size can take many times their cost (first graph launches, lazy allocations): on an H100 an EMA seeded by
@@ -103,23 +103,21 @@ class WidthControls:
     trace_path: str | None = None
 
     @classmethod
-    def from_env(cls, block: int, env=os.environ) -> "WidthControls":
-        flag = env.get(ENV_ADAPTIVE, "1").strip().lower()
-        if flag not in ("0", "1", "true", "false", "on", "off"):
-            raise ValueError(f"{ENV_ADAPTIVE}={flag!r}: expected 1/0 (on/off)")
-        adaptive = flag in ("1", "true", "on")
-        ks = parse_widths(env[ENV_WIDTHS], block) if env.get(ENV_WIDTHS) else default_widths(block)
+    def from_env(cls, block: int, env=None) -> "WidthControls":
+        s = settings.Settings.from_env(env)
+        adaptive = s.adaptive
+        ks = parse_widths(s.widths, block, ENV_WIDTHS) if s.widths else default_widths(block)
         pinned = schedule = None
-        if env.get(ENV_SCHEDULE, "").strip():
-            schedule = [_k_value(ENV_SCHEDULE, v, block) for v in env[ENV_SCHEDULE].split(",")]
+        if s.k_schedule:
+            schedule = [_k_value(ENV_SCHEDULE, k, block) for k in s.k_schedule]
             ks = sorted(set(schedule) | {block - 1})
-        elif env.get(ENV_PIN, "").strip():
-            pinned = _k_value(ENV_PIN, env[ENV_PIN], block)
+        elif s.k is not None:
+            pinned = _k_value(ENV_PIN, s.k, block)
             ks = sorted({pinned, block - 1})  # only the widths that run get graphs (B-1: SGLang's own)
         elif not adaptive:
             ks = [block - 1]
         return cls(ks=ks, pinned=pinned, adaptive=adaptive, schedule=schedule,
-                   log_every_s=float(env.get(ENV_LOG_EVERY, "30")), trace_path=env.get(ENV_TRACE) or None)
+                   log_every_s=s.log_every_s, trace_path=s.step_trace)
 
     def describe(self) -> str:
         if self.schedule:
@@ -129,11 +127,7 @@ class WidthControls:
         return f"adaptive over k in {self.ks}" if self.adaptive else f"fixed k = {max(self.ks)}"
 
 
-def _k_value(name: str, text: str, block: int) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: not an integer. Fix: a number of drafts in 0..{block - 1}") from None
+def _k_value(name: str, k: int, block: int) -> int:
     if not 0 <= k <= block - 1:
         raise ValueError(f"{name}={k}: the drafter's block is {block}, so k must lie in 0..{block - 1}")
     return k

@@ -28,7 +28,6 @@ buffer allocated once for max_running_requests, and the only host-side values ar
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -51,7 +50,6 @@ logger = logging.getLogger("sglang_dflash")
 # draft rows (bs x (B-1)); larger batches keep it eager, where it computes only the k rows a step verifies (at large
 # batch the head is compute, not launches). SGLANG_DFLASH_GRAPH_HEAD=0 keeps it eager always (for comparison).
 GRAPH_HEAD_MAX_ROWS = 1024
-GRAPH_HEAD_ENV = "SGLANG_DFLASH_GRAPH_HEAD"
 
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
@@ -174,7 +172,9 @@ class DFlashWorker(BaseSpecWorker):
 
         enabled = graph_cfg is not None and graph_cfg.decode.backend != Backend.DISABLED and self.device != "cpu"
         hooks = getattr(self.draft_runner, "capture_tail_hooks", None)
-        head_in_graph = enabled and hooks is not None and os.environ.get(GRAPH_HEAD_ENV, "1") != "0"
+        from ..settings import current as settings
+
+        head_in_graph = enabled and hooks is not None and settings().graph_head
         if head_in_graph:
             hooks.append(self._capture_draft_head)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=enabled)

@@ -28,7 +28,9 @@ import torch
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SGLANG_DFLASH_CACHE", Path.home() / ".cache" / "sglang_dflash"))
+    from ..settings import current
+
+    return current().cache
 
 
 @dataclass(frozen=True)

@@ -57,11 +57,13 @@ def worker_env(env: dict, builtin: bool) -> dict:
 
 
 class Server:
-    """One launch_server process in its own process group; `stop()` kills that group by PID."""
+    """One launch_server process in its own process group; `stop()` kills that group by PID. Its output goes to
+    log_path, or to this process's stdout / stderr when log_path is None (`sglang-dflash serve`)."""
 
-    def __init__(self, argv: list[str], log_path: str | Path, port: int, host: str = "127.0.0.1",
+    def __init__(self, argv: list[str], log_path: str | Path | None, port: int, host: str = "127.0.0.1",
                  env: dict | None = None):
-        self.argv, self.log_path, self.port, self.host, self.env = list(argv), Path(log_path), port, host, env
+        self.argv, self.port, self.host, self.env = list(argv), port, host, env
+        self.log_path = Path(log_path) if log_path is not None else None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -79,6 +81,9 @@ class Server:
             raise RuntimeError(f"port {self.port} on {self.host} is already in use (another server still running?), "
                                f"so this server's health check would talk to it. Fix: stop it (`ss -ltnp | grep "
                                f":{self.port}` shows its PID) or use another port (tests: SGLANG_DFLASH_TEST_PORT_OFFSET)")
+        if self.log_path is None:
+            self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
@@ -89,10 +94,20 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None:
+            return "<the server's output went to the terminal>"
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "<no log>"
+
+    def healthy(self) -> bool:
+        """Whether /health answers 200 right now."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> float:
         """Poll /health until it answers 200; returns the seconds waited. Raises RuntimeError if the process exits
@@ -102,17 +117,14 @@ class Server:
             if not self.alive():
                 code = self.proc.returncode if self.proc else "never started"
                 raise RuntimeError(f"server exited with {code} before /health; log tail:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.time() - t0
-            except OSError:
-                pass
+            if self.healthy():
+                return time.time() - t0
             time.sleep(poll_s)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """TERM the process group, KILL it after grace_s, and reap the leader."""
+    def stop(self, grace_s: float = 15.0, first: int = signal.SIGTERM) -> None:
+        """Signal the process group with `first` (TERM; serve forwards a Ctrl-C as INT), then TERM, then KILL, each
+        after grace_s without the group gone, and reap the leader."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session=True: the server leads its own group
@@ -125,7 +137,8 @@ class Server:
             except ProcessLookupError:
                 return True
 
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        steps = [(first, grace_s)] + ([(signal.SIGTERM, grace_s)] if first != signal.SIGTERM else [])
+        for sig, wait_s in steps + [(signal.SIGKILL, 10.0)]:
             if group_gone():
                 break
             try:

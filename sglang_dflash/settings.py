@@ -1,0 +1,211 @@
+"""THE switches: every `SGLANG_DFLASH_*` environment variable the package reads, parsed and checked in one place.
+
+`Settings.from_env(env)` parses a mapping (tests hand it a dict) into one frozen `Settings`; a bad value raises
+`SettingsError` naming the variable, the value and the fix. `current()` is the process's settings from `os.environ`
+now, and `get(NAME)` one switch of it: the modules call them where they use a switch (not at import), so a test that
+sets a variable with monkeypatch after import is obeyed. Each value is parsed once (cached by its text): `get` is
+one dict look-up, cheap enough for the eager verify hooks that ask per layer.
+
+`SWITCHES` is the table of them (name, parser, default, values, what it does); docs/SETTINGS.md is generated from it
+(`python -m sglang_dflash.settings`) and tests/test_settings.py checks the file and that the code reads no
+`SGLANG_DFLASH_*` variable missing here. This module imports nothing heavy: the plugin imports it in every SGLang
+process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WORKER = "SGLANG_DFLASH_WORKER"
+ALLOW_UNTESTED_SGLANG = "SGLANG_DFLASH_ALLOW_UNTESTED_SGLANG"
+CAPTURE = "SGLANG_DFLASH_CAPTURE"
+VERIFY_ATTENTION = "SGLANG_DFLASH_VERIFY_ATTENTION"
+VERIFY_METADATA = "SGLANG_DFLASH_VERIFY_METADATA"
+GRAPH_HEAD = "SGLANG_DFLASH_GRAPH_HEAD"
+K = "SGLANG_DFLASH_K"
+ADAPTIVE = "SGLANG_DFLASH_ADAPTIVE"
+WIDTHS = "SGLANG_DFLASH_WIDTHS"
+K_SCHEDULE = "SGLANG_DFLASH_K_SCHEDULE"
+LOG_EVERY_S = "SGLANG_DFLASH_LOG_EVERY_S"
+STEP_TRACE = "SGLANG_DFLASH_STEP_TRACE"
+CACHE = "SGLANG_DFLASH_CACHE"
+
+WORKERS = ("ours", "builtin")
+CAPTURE_MODES = ("auto", "generic", "check")
+KERNELS = ("ours", "sglang")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """A switch with a value it cannot take; the message names the variable, the value and the fix."""
+
+
+def _text(name: str, raw: str | None) -> str | None:
+    value = (raw or "").strip()
+    return value or None
+
+
+def _choice(*choices: str):
+    def parse(name: str, raw: str | None) -> str:
+        value = (_text(name, raw) or choices[0]).lower()
+        if value not in choices:
+            raise SettingsError(f"{name}={value!r}: not one of {choices}. Fix: set it to one of them "
+                                f"(or unset it for {choices[0]})")
+        return value
+    return parse
+
+
+def _flag(default: bool):
+    def parse(name: str, raw: str | None) -> bool:
+        value = (_text(name, raw) or "").lower()
+        if not value:
+            return default
+        if value not in _TRUE + _FALSE:
+            raise SettingsError(f"{name}={value!r}: expected 1 or 0 (on / off). Fix: set it to 1 or 0, or unset it "
+                                f"(default {int(default)})")
+        return value in _TRUE
+    return parse
+
+
+def _ints(one: bool):
+    def parse(name: str, raw: str | None) -> int | tuple[int, ...] | None:
+        text = _text(name, raw)
+        if text is None:
+            return None
+        try:
+            values = tuple(int(p) for p in text.split(","))
+        except ValueError:
+            raise SettingsError(f"{name}={text!r}: not {'an integer' if one else 'a comma-separated list of integers'}"
+                                f". Fix: {'a number' if one else 'numbers'} of drafts in 0..B-1 (B = the drafter's "
+                                "block size), or unset it") from None
+        if one and len(values) != 1:
+            raise SettingsError(f"{name}={text!r}: one number of drafts expected. Fix: e.g. {name}={values[0]}")
+        return values[0] if one else values
+    return parse
+
+
+def _seconds(default: float):
+    def parse(name: str, raw: str | None) -> float:
+        text = _text(name, raw)
+        if text is None:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value > 0:
+            raise SettingsError(f"{name}={text!r}: expected a number of seconds > 0. Fix: e.g. {name}={default:g}, "
+                                "or unset it")
+        return value
+    return parse
+
+
+def _directory(default: Path):
+    def parse(name: str, raw: str | None) -> Path:
+        return Path(_text(name, raw) or default)
+    return parse
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One row of the table: the variable, the Settings field it fills, its parser, its default and values as
+    documented."""
+
+    name: str
+    field: str
+    parse: Callable[[str, str | None], Any]
+    default: str
+    values: str
+    what: str
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch(WORKER, "worker", _choice(*WORKERS), "ours", "ours, builtin",
+           "which DFLASH worker SGLang runs: ours, or SGLang's own (same install, for comparisons)"),
+    Switch(ALLOW_UNTESTED_SGLANG, "allow_untested_sglang", _flag(False), "0", "0, 1",
+           "1 lets the plugin run on an SGLang release it was not tested with (refused at start-up otherwise)"),
+    Switch(CAPTURE, "capture", _choice(*CAPTURE_MODES), "auto", "auto, generic, check",
+           "how the target's hidden states are captured: SGLang's native hook where the model class has one, our "
+           "generic hooks, or both compared every forward (tests)"),
+    Switch(VERIFY_ATTENTION, "verify_attention", _choice(*KERNELS), "ours", "ours, sglang",
+           "the GPU attention kernel of the target's verify: ours (kernels/verify_attention.py) or SGLang's"),
+    Switch(VERIFY_METADATA, "verify_metadata", _choice(*KERNELS), "ours", "ours, sglang",
+           "the verify's graph-replay attention metadata: one launch of ours or SGLang's eight"),
+    Switch(GRAPH_HEAD, "graph_head", _flag(True), "1", "0, 1",
+           "0 keeps the greedy draft head (lm_head + argmax) out of the draft CUDA graphs"),
+    Switch(K, "k", _ints(one=True), "unset", "0 .. B-1",
+           "pin every step to k drafts (0 = plain decode steps that keep the drafter's context); B = block size"),
+    Switch(ADAPTIVE, "adaptive", _flag(True), "1", "0, 1",
+           "0: always the full block (no adaptive width)"),
+    Switch(WIDTHS, "widths", _text, "0,3,7,B-1", "increasing k list ending at B-1",
+           "the widths k the adaptive policy may choose (each gets CUDA graphs); checked against B at start-up"),
+    Switch(K_SCHEDULE, "k_schedule", _ints(one=False), "unset", "k list, e.g. 15,0,3",
+           "tests: cycle through these k values step after step"),
+    Switch(LOG_EVERY_S, "log_every_s", _seconds(30.0), "30", "seconds > 0",
+           "period of the adaptive policy's summary line in the server log"),
+    Switch(STEP_TRACE, "step_trace", _text, "unset", "file path",
+           "one JSON line per decode step, for benchmarks/step_trace.py ({pid} becomes the scheduler's process id)"),
+    Switch(CACHE, "cache", _directory(Path.home() / ".cache" / "sglang_dflash"), "~/.cache/sglang_dflash",
+           "directory", "where converted targets (SmolLM2, Gemma-3), their GGUF parts and the stub libcuda are kept"),
+)
+NAMES = tuple(s.name for s in SWITCHES)
+_BY_NAME = {s.name: s for s in SWITCHES}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The switches of one process, parsed and checked (defaults: each Switch's parser given an unset variable).
+    Widths that depend on the drafter's block size (k, widths, k_schedule) are range-checked where the block is
+    known (serving/width_control.py)."""
+
+    worker: str
+    allow_untested_sglang: bool
+    capture: str
+    verify_attention: str
+    verify_metadata: str
+    graph_head: bool
+    k: int | None
+    adaptive: bool
+    widths: str | None  # parsed against the block size by adaptive.parse_widths
+    k_schedule: tuple[int, ...] | None
+    log_every_s: float
+    step_trace: str | None
+    cache: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        return cls(**{s.field: s.parse(s.name, env.get(s.name)) for s in SWITCHES})
+
+
+_parsed: dict[tuple[str, str | None], Any] = {}
+
+
+def get(name: str) -> Any:
+    """One switch's value from os.environ now (one look-up; each text is parsed once)."""
+    raw = os.environ.get(name)
+    try:
+        return _parsed[name, raw]
+    except KeyError:
+        value = _parsed[name, raw] = _BY_NAME[name].parse(name, raw)
+        return value
+
+
+def current() -> Settings:
+    """The settings of this process, from os.environ now."""
+    return Settings(**{s.field: get(s.name) for s in SWITCHES})
+
+
+def markdown_table() -> str:
+    """The switches as the Markdown table of docs/SETTINGS.md."""
+    rows = ["| variable | default | values | what it does |", "|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.default} | {s.values} | {s.what} |" for s in SWITCHES]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
