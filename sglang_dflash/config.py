@@ -214,9 +214,12 @@ class DFlashConfig:
             layer_types=list(self.layer_types), sliding_window=self.sliding_window, is_causal=self.is_causal,
             model_type=raw.get("model_type", "qwen3"), hidden_act=self.hidden_act,
             attention_bias=self.attention_bias, torch_dtype=None,  # None: torch_dtype as read (or absent)
-            architecture=self.architecture, output_multiplier=self.output_multiplier,
-            final_logit_softcapping=self.final_logit_softcapping,
-            **{key: getattr(self, key) for key in DFLASH2_KEYS})
+            architecture=self.architecture, **{key: getattr(self, key) for key in DFLASH2_KEYS})
+        if self.is_dflash2:  # DFlash2 writes the logit shaping into dflash_config (DFlash keeps it as read)
+            if self.output_multiplier != 1.0:
+                args["output_multiplier"] = self.output_multiplier
+            if self.final_logit_softcapping:
+                args["final_logit_softcapping"] = self.final_logit_softcapping
         args.update(changes)
         written = published_drafter_config(self.num_target_layers, **args)
         d = {**raw, **written}
@@ -343,8 +346,7 @@ def published_drafter_config(target_layers: int, *, hidden: int, inter: int, lay
                              sliding_window: int | None = None, is_causal: bool | None = None,
                              mask_token: str | None = None, model_type: str = "qwen3", hidden_act: str = "silu",
                              attention_bias: bool = False, torch_dtype: str | None = "bfloat16",
-                             architecture: str = SUPPORTED_ARCHITECTURE, output_multiplier: float = 1.0,
-                             final_logit_softcapping: float | None = None, conv_kernel_size: int = 0,
+                             architecture: str = SUPPORTED_ARCHITECTURE, conv_kernel_size: int = 0,
                              conv_group_size: int = 0, selector_rank: int = 0, selector_top_k: int = 0,
                              **extra) -> dict[str, Any]:
     """THE writer of a drafter config.json dict in the published z-lab layout (Qwen3 layer stack + DFlash keys):
@@ -352,8 +354,8 @@ def published_drafter_config(target_layers: int, *, hidden: int, inter: int, lay
     (`DFlashConfig.to_dict`), the shape presets, the real targets' drafters and the tiny test drafters all come from
     here. `rope_theta`, `max_pos`, `torch_dtype`, `is_causal`, `mask_token`: None leaves the key out; `extra`: more
     top-level keys (they win). DFlash2 (`architecture` one of DFLASH2_ARCHITECTURES): the four DFLASH2_KEYS go into
-    dflash_config, as do output_multiplier / final_logit_softcapping when not neutral (SGLang reads all six there
-    only)."""
+    dflash_config, and so do `output_multiplier` / `final_logit_softcapping` given in `extra` (SGLang reads all six
+    there only; a DFlash config keeps them where `extra` puts them, at the top level, as it always has)."""
     d = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -377,14 +379,13 @@ def published_drafter_config(target_layers: int, *, hidden: int, inter: int, lay
         d["dflash_config"]["input_embedding_scale"] = input_embedding_scale
     if mask_token is not None:
         d["dflash_config"]["mask_token"] = mask_token
-    if output_multiplier != 1.0:
-        d["dflash_config"]["output_multiplier"] = output_multiplier
-    if final_logit_softcapping:
-        d["dflash_config"]["final_logit_softcapping"] = final_logit_softcapping
     dflash2 = dict(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size, selector_rank=selector_rank,
                    selector_top_k=selector_top_k)
     if architecture in DFLASH2_ARCHITECTURES or any(dflash2.values()):
         d["dflash_config"].update(dflash2)
+        for key in ("output_multiplier", "final_logit_softcapping"):
+            if key in extra:
+                d["dflash_config"][key] = extra.pop(key)
     if sliding_window is not None:
         d["use_sliding_window"] = True
     d.update(extra)
