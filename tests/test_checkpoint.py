@@ -129,8 +129,8 @@ def test_dflash2_bad_checkpoints_name_the_tensor_and_the_key(tmp_path, target):
     with pytest.raises(DFlashConfigError, match="candidate_selector.predecessor_codebook.*convolution and selector"):
         load_drafter(tmp_path)
     # codebooks of another rank than selector_rank
-    bad = dict(state, **{"candidate_selector.predecessor_codebook": state["candidate_selector.predecessor_codebook"][:, :4]
-                         .contiguous()})
+    codebook = "candidate_selector.predecessor_codebook"
+    bad = dict(state, **{codebook: state[codebook][:, :4].contiguous()})
     save_file(bad, str(tmp_path / "model.safetensors"))
     with pytest.raises(DFlashConfigError, match="predecessor_codebook.*selector_rank"):
         load_drafter(tmp_path)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from test_drafter_parity import CONTEXT, TOL, ContextThenBlockAttention, DictKVPool, inputs
+from test_drafter_parity import TOL, inputs, run_in_cpu_engine, served_and_plain
 from sglang_dflash.checkpoint import TENSOR_ALIASES
 from sglang_dflash.targets.tiny import tiny_dflash2_drafter, tiny_target
 
@@ -50,18 +47,8 @@ def pair(tmp_path_factory):
 
 @pytest.mark.skipif(IN_CPU_ENGINE, reason="this is the subprocess")
 def test_dflash2_parity_in_sglang_cpu_engine(tmp_path):
-    import shutil
-
-    from sglang_dflash.testing import build_stub_libcuda, cpu_server_env
-
-    if not shutil.which("gcc"):
-        pytest.skip("the stub libcuda needs gcc")
-    env = cpu_server_env(build_stub_libcuda(tmp_path / "stub"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
-                        Path(__file__).name], cwd=Path(__file__).parent, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "2 passed, 1 skipped" in r.stdout, r.stdout[-2000:]
+    out = run_in_cpu_engine(__file__, tmp_path)
+    assert "2 passed, 1 skipped" in out, out[-2000:]
 
 
 @in_cpu_engine
@@ -77,23 +64,12 @@ def test_weights_land_under_their_published_names(pair):
 @in_cpu_engine
 @torch.no_grad()
 def test_block_forward_and_drafts_equal_the_plain_drafter(pair, monkeypatch):
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
     monkeypatch.setattr("sglang.srt.layers.linear.get_tp_group", lambda: SimpleNamespace(world_size=1))
     target, drafter, model = pair
-    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    model.bind_target(embed, lm_head)
-    features, block, ctx_pos, block_pos = inputs(target, drafter)
-    pool = DictKVPool()
-    model.write_context_kv(features, ctx_pos, torch.arange(CONTEXT), pool)
-    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND)
-    with forward_context(ForwardContext(attn_backend=ContextThenBlockAttention(pool, ctx_pos, block_pos))):
-        served = model(block, block_pos, batch).hidden_states  # [B, H]
-    plain = drafter(drafter.block_embeddings(block[None], embed), block_pos[None],
-                    drafter.project_context(features)[None], ctx_pos[None])[0]
+    served, plain = served_and_plain(model, target, drafter)  # [B, H] each, the convolutions inside
     assert torch.allclose(served, plain, **TOL), (served - plain).abs().max()
-    anchor = block[:1]
+    lm_head = target.get_output_embeddings().weight
+    anchor = inputs(target, drafter)[1][:1]
     served_block = model.propose(served[1:], anchor)
     plain_block = drafter.propose(plain[None, 1:], lm_head, anchor)
     assert torch.equal(served_block.tokens, plain_block.tokens)
