@@ -75,6 +75,37 @@ def verify_sampled(drafts: torch.Tensor, target_probs: torch.Tensor,
     return _assemble(drafts, accepted, sample_from_probs(p_next, generator))
 
 
+def verify_sampled_q(drafts: torch.Tensor, target_probs: torch.Tensor, candidates: torch.Tensor, draft_q: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling for drafts drawn from a distribution q over K candidates (DFlash2's selector).
+
+    Draft d_i was drawn from q_i (given d_1..d_{i-1}); q_i is zero outside the candidates. Accept d_i with
+    probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from (p_i - q_i)+ renormalised over the
+    whole vocabulary (p_i itself should that be all zero, which needs p_i == q_i, where a rejection has probability
+    0); if every draft is kept, sample the bonus from p_{B-1}. Each emitted token then follows p exactly. A one-hot
+    q (a greedy draft) gives verify_sampled's rule, and the same draws from the generator.
+
+    Shapes: ``drafts`` [N, B-1] int64, ``target_probs`` [N, B, V] (processed, row i predicts position i+1),
+    ``candidates`` [N, B-1, K] int64 (distinct ids per row), ``draft_q`` [N, B-1, K]. Returns (commit_lens, tokens)
+    as verify_sampled; no host synchronisation.
+    """
+    n, b, _ = target_probs.shape
+    if b == 1:  # no drafts (a plain decode step): nothing depends on q
+        return verify_sampled(drafts, target_probs, generator)
+    p_draft = target_probs[:, :-1].gather(2, drafts[:, :, None])[:, :, 0]  # [N, B-1]
+    q_draft = (draft_q * (candidates == drafts[:, :, None])).sum(dim=-1)  # q_i(d_i)
+    u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device)
+    accepted = accepted_prefix_len(u * q_draft < p_draft)  # u < p / q without dividing by q
+    rows = torch.arange(n, device=drafts.device)
+    p_next = target_probs[rows, accepted]  # the first rejected (or the bonus) position's p: [N, V]
+    at = accepted.clamp(max=b - 2)
+    rejected = (accepted < b - 1)[:, None].to(draft_q.dtype)  # rows where everything was kept subtract nothing
+    residual = p_next.scatter_add(1, candidates[rows, at], -rejected * draft_q[rows, at]).clamp_(min=0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), p_next)
+    return _assemble(drafts, accepted, sample_from_probs(residual, generator))
+
+
 # Floats in one chunk of scaled draft rows in verify_sampled_logits when N x V is smaller (64 MiB of float32): small
 # batches then take one chunk (few kernel launches), large ones B-1 chunks of ~N rows, so the extra memory stays
 # O(max(N x V, this)) instead of the dense path's several [N x B, V] float32 tensors.

@@ -14,6 +14,11 @@ from .drafter import DFlashDrafter
 
 # prefixes some exporters add in front of the published names
 _KNOWN_PREFIXES = ("model.",)
+# DFlash2's codebooks under their other exporter's names -> the published names (bare [V, r] tensors, as z-lab
+# publishes them and SGLang loads them). The `dflash` package's DFlash2DraftModel holds them as nn.Embedding, so its
+# save_pretrained writes `.weight` after each (its from_pretrained maps the bare names onto those).
+TENSOR_ALIASES = {f"candidate_selector.{side}_codebook.weight": f"candidate_selector.{side}_codebook"
+                  for side in ("predecessor", "successor")}
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path, max_shard_bytes: int | None = None,
@@ -61,7 +66,23 @@ def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
     for prefix in _KNOWN_PREFIXES:
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}
+    for alias, name in TENSOR_ALIASES.items():
+        if alias in state:
+            if name in state:
+                raise DFlashConfigError("weights", alias, f"the checkpoint holds both {name!r} and {alias!r}",
+                                        "keep one of the two names (they are the same tensor)")
+            state[name] = state.pop(alias)
     return state
+
+
+def _shape_fix(name: str) -> str:
+    """What to check when the tensor `name` has another shape than the config implies."""
+    if "candidate_selector." in name:
+        return "check dflash_config.selector_rank and vocab_size against the codebooks ([vocab_size, rank])"
+    if "_conv." in name:
+        return ("check dflash_config.conv_kernel_size and conv_group_size (base_kernel [2, taps, hidden_size], "
+                "kernel_projection [2 * taps * hidden_size / group, hidden_size])")
+    return "check hidden_size, head counts and target_layer_ids"
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -76,13 +97,19 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
+        dflash2 = any("_conv." in n or "candidate_selector." in n for n in missing + unexpected)
+        fix = "check num_hidden_layers / target_layer_ids against the checkpoint"
+        if dflash2 and cfg.is_dflash2:
+            fix = f"a {cfg.architecture} checkpoint needs its convolution and selector tensors; is it a DFlash one?"
+        elif dflash2:
+            fix = 'the checkpoint is a DFlash2 drafter: set architectures to ["DFlash2DraftModel"] and its keys'
         raise DFlashConfigError(
             "weights", str(path), f"tensor names do not match the config (missing {missing[:6]}, "
-            f"unexpected {unexpected[:6]})", "check num_hidden_layers / target_layer_ids against the checkpoint")
+            f"unexpected {unexpected[:6]})", fix)
     for name, t in state.items():
         if t.shape != expected[name].shape:
             raise DFlashConfigError("weights", name, f"shape {tuple(t.shape)} != {tuple(expected[name].shape)} "
-                                    "implied by config.json", "check hidden_size, head counts and target_layer_ids")
+                                    "implied by config.json", _shape_fix(name))
     drafter.load_state_dict(state, strict=True)
     if dtype is None:
         dtype = next(iter(state.values())).dtype

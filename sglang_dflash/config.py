@@ -5,6 +5,12 @@ the usual transformer fields plus the DFlash keys: top-level ``block_size`` and 
 ``dflash_config`` dict with ``target_layer_ids`` and ``mask_token_id``. Some keys moved between releases, so every
 DFlash key is read from ``dflash_config`` first and from the top level second.
 
+DFlash2 drafters (``architectures: ["DFlash2DraftModel"]``, or its alias ``DFlash2BeamDraftModel``) add, in
+``dflash_config``: ``conv_kernel_size`` and ``conv_group_size`` (the grouped dynamic causal convolution around each
+sublayer: taps, channels per group) and ``selector_rank`` and ``selector_top_k`` (the candidate selector: rank of its
+two vocabulary codebooks, candidates per block position). ``output_multiplier`` and ``final_logit_softcapping``
+(both DFlash and DFlash2) shape the draft logits.
+
 Every problem raises :class:`DFlashConfigError`, whose message names the key, the bad value and what to do.
 """
 
@@ -17,6 +23,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel", "DFlash2BeamDraftModel")  # the Beam name is an alias (same model)
+ARCHITECTURES = (SUPPORTED_ARCHITECTURE, *DFLASH2_ARCHITECTURES)
+# the DFlash2 keys, all in dflash_config, all ints; 0 (or absent) means "not used", as SGLang reads them
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -64,6 +74,12 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0  # block embeddings = target embedding table row * this
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash2 (0: absent; a DFlash2 architecture needs all four, a DFlash one none)
+    architecture: str = SUPPORTED_ARCHITECTURE
+    conv_kernel_size: int = 0  # taps of the grouped dynamic causal convolutions around each sublayer
+    conv_group_size: int = 0  # channels per group (one dynamic coefficient per group and tap)
+    selector_rank: int = 0  # rank of the candidate selector's two [V, r] codebooks
+    selector_top_k: int = 0  # candidates per block position (top-K of the target lm_head's draft logits)
     # everything as read, so that rope settings and unknown keys survive a save
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -71,15 +87,24 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DFlashConfig":
         archs = d.get("architectures") or []
-        if SUPPORTED_ARCHITECTURE not in archs:
+        known = [a for a in archs if a in ARCHITECTURES]
+        if not known:
             raise DFlashConfigError(
-                "architectures", archs, f"this is not a {SUPPORTED_ARCHITECTURE} checkpoint",
-                f"pass a DFlash drafter directory whose config.json lists {SUPPORTED_ARCHITECTURE} "
-                "(DFlash2DraftModel and other variants are not supported yet)")
+                "architectures", archs, f"this is not a drafter checkpoint we serve (one of {list(ARCHITECTURES)})",
+                "pass a DFlash or DFlash2 drafter directory whose config.json lists its architecture")
         dflash = d.get("dflash_config") or {}
 
         def pick(key, default=None):
             return dflash.get(key, d.get(key, default))
+
+        def count(key):  # a DFlash2 key: a non-negative int, 0 when absent or null
+            value = pick(key)
+            if value is None:
+                return 0
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                raise DFlashConfigError(f"dflash_config.{key}", value, "is not an integer",
+                                        f"write dflash_config.{key} as a JSON integer")
+            return int(value)
 
         def need(key):
             if key not in d:
@@ -142,6 +167,8 @@ class DFlashConfig:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
             output_multiplier=float(pick("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            architecture=known[0],
+            **{key: count(key) for key in DFLASH2_KEYS},
             raw=dict(d),
         )
         cfg.check()
@@ -164,13 +191,22 @@ class DFlashConfig:
         SGLang's launcher runs our startup checks, and each scheduler process builds our worker and then the draft
         model; all of them ask for the config of --speculative-draft-model-path. Memoised by the resolved file, its
         modification time and size, so a drafter rewritten in place (training writes into the same directory) is
-        read again, and everyone else gets the one object. Treat it as read-only (``raw`` is a plain dict)."""
+        read again, and everyone else gets the one object. Treat it as read-only (``raw`` is a plain dict).
+
+        Serving's entry, so it refuses DFlash2 drafters, which our worker does not draft with yet (it would take the
+        argmax and skip the selector): at launch, before any model loads, with the way out. Remove the refusal with
+        the worker's DFlash2 wiring (serving/draft_model2.py, issue #36)."""
         file = _config_file(path)
         stat = file.stat()
         key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size)
         cfg = _LOADED.get(key)
         if cfg is None:
             cfg = _LOADED[key] = cls.from_pretrained(file)
+        if cfg.is_dflash2:
+            raise DFlashConfigError("architectures", [cfg.architecture], "our SGLang worker does not serve DFlash2 "
+                                    "drafters yet (the reference engine decodes them)",
+                                    "serve it with SGLANG_DFLASH_WORKER=builtin on SGLang 0.5.23, or decode with "
+                                    "sglang_dflash.reference.ReferenceEngine")
         return cfg
 
     def to_dict(self, **changes: Any) -> dict[str, Any]:
@@ -186,7 +222,13 @@ class DFlashConfig:
             rms_norm_eps=self.rms_norm_eps, input_embedding_scale=self.input_embedding_scale,
             layer_types=list(self.layer_types), sliding_window=self.sliding_window, is_causal=self.is_causal,
             model_type=raw.get("model_type", "qwen3"), hidden_act=self.hidden_act,
-            attention_bias=self.attention_bias, torch_dtype=None)  # None: torch_dtype as read (or absent)
+            attention_bias=self.attention_bias, torch_dtype=None,  # None: torch_dtype as read (or absent)
+            architecture=self.architecture, **{key: getattr(self, key) for key in DFLASH2_KEYS})
+        if self.is_dflash2:  # DFlash2 writes the logit shaping into dflash_config (DFlash keeps it as read)
+            if self.output_multiplier != 1.0:
+                args["output_multiplier"] = self.output_multiplier
+            if self.final_logit_softcapping:
+                args["final_logit_softcapping"] = self.final_logit_softcapping
         args.update(changes)
         written = published_drafter_config(self.num_target_layers, **args)
         d = {**raw, **written}
@@ -215,6 +257,45 @@ class DFlashConfig:
             raise DFlashConfigError("dflash_config.mask_token_id", self.mask_token_id,
                                     f"outside the vocabulary [0, {self.vocab_size})",
                                     "use the id of a special token that exists in the target's tokenizer")
+        if not self.output_multiplier > 0:
+            raise DFlashConfigError("dflash_config.output_multiplier", self.output_multiplier,
+                                    "must be positive (it scales the draft logits)", "use 1.0 for none")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping < 0:
+            raise DFlashConfigError("dflash_config.final_logit_softcapping", self.final_logit_softcapping,
+                                    "is negative (DFlash's exporters read <= 0 as no cap)",
+                                    "use a positive cap, or 0 / null for none")
+        self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        """A DFlash2 architecture needs all four DFlash2 keys; a DFlash one none of them (its model has no
+        convolutions and no selector, so their tensors would go unused and the drafts would be wrong)."""
+        values = {key: getattr(self, key) for key in DFLASH2_KEYS}
+        if not self.is_dflash2:
+            used = {k: v for k, v in values.items() if v}
+            if used:
+                key = next(iter(used))
+                raise DFlashConfigError(f"dflash_config.{key}", used[key],
+                                        f"is a DFlash2 key but architectures lists {self.architecture}",
+                                        f'set architectures to ["{DFLASH2_ARCHITECTURES[0]}"] if the checkpoint '
+                                        "has the convolution and selector tensors, else remove the DFlash2 keys")
+            return
+        what = {"conv_kernel_size": "the convolutions' taps (base_kernel is [2, taps, hidden_size])",
+                "conv_group_size": "channels per convolution group (kernel_projection is [2 * taps * hidden_size "
+                                   "/ group, hidden_size])",
+                "selector_rank": "the codebooks' rank (candidate_selector.*_codebook is [vocab_size, rank])",
+                "selector_top_k": "the candidates per block position the drafter was trained with"}
+        for key, value in values.items():
+            if value < 1:
+                raise DFlashConfigError(f"dflash_config.{key}", value or None,
+                                        f"{self.architecture} needs it (>= 1)",
+                                        f"set dflash_config.{key} to {what[key]}")
+        if self.hidden_size % self.conv_group_size:
+            raise DFlashConfigError("dflash_config.conv_group_size", self.conv_group_size,
+                                    f"does not divide hidden_size={self.hidden_size}",
+                                    f"set it to {what['conv_group_size']}")
+        if self.selector_top_k > self.vocab_size:
+            raise DFlashConfigError("dflash_config.selector_top_k", self.selector_top_k,
+                                    f"exceeds vocab_size={self.vocab_size}", f"set it to {what['selector_top_k']}")
 
     def validate_against_target(self, target_config: Any) -> None:
         """Raise DFlashConfigError unless this drafter can run on the target whose (HF) config is given."""
@@ -240,6 +321,11 @@ class DFlashConfig:
                                         "list layer ids of the target (0-based decoder layer indices)")
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash2 drafter: convolutions around each sublayer and a candidate selector after the lm_head."""
+        return self.architecture in DFLASH2_ARCHITECTURES
+
     def layer_is_causal(self, layer: int) -> bool:
         if self.is_causal is not None:
             return self.is_causal
@@ -269,14 +355,18 @@ def published_drafter_config(target_layers: int, *, hidden: int, inter: int, lay
                              sliding_window: int | None = None, is_causal: bool | None = None,
                              mask_token: str | None = None, model_type: str = "qwen3", hidden_act: str = "silu",
                              attention_bias: bool = False, torch_dtype: str | None = "bfloat16",
+                             architecture: str = SUPPORTED_ARCHITECTURE, conv_kernel_size: int = 0,
+                             conv_group_size: int = 0, selector_rank: int = 0, selector_top_k: int = 0,
                              **extra) -> dict[str, Any]:
     """THE writer of a drafter config.json dict in the published z-lab layout (Qwen3 layer stack + DFlash keys):
     what `DFlashConfig.from_dict` and SGLang's own parser read. Our trained drafters and every saved drafter
     (`DFlashConfig.to_dict`), the shape presets, the real targets' drafters and the tiny test drafters all come from
     here. `rope_theta`, `max_pos`, `torch_dtype`, `is_causal`, `mask_token`: None leaves the key out; `extra`: more
-    top-level keys (they win)."""
+    top-level keys (they win). DFlash2 (`architecture` one of DFLASH2_ARCHITECTURES): the four DFLASH2_KEYS go into
+    dflash_config, and so do `output_multiplier` / `final_logit_softcapping` given in `extra` (SGLang reads all six
+    there only; a DFlash config keeps them where `extra` puts them, at the top level, as it always has)."""
     d = {
-        "architectures": [SUPPORTED_ARCHITECTURE],
+        "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
@@ -298,6 +388,13 @@ def published_drafter_config(target_layers: int, *, hidden: int, inter: int, lay
         d["dflash_config"]["input_embedding_scale"] = input_embedding_scale
     if mask_token is not None:
         d["dflash_config"]["mask_token"] = mask_token
+    dflash2 = dict(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size, selector_rank=selector_rank,
+                   selector_top_k=selector_top_k)
+    if architecture in DFLASH2_ARCHITECTURES or any(dflash2.values()):
+        d["dflash_config"].update(dflash2)
+        for key in ("output_multiplier", "final_logit_softcapping"):
+            if key in extra:
+                d["dflash_config"][key] = extra.pop(key)
     if sliding_window is not None:
         d["use_sliding_window"] = True
     d.update(extra)

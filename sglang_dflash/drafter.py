@@ -16,6 +16,10 @@ causal / sliding layers apply their rules on top of the caller's ``visible`` mas
 in training). Training may pass a flex-attention ``BlockMask`` instead of the dense mask (full-attention layers
 only: the BlockMask is then their whole rule), which builds no [Q, K] tensor.
 
+DFlash2 drafters (``config.is_dflash2``) wrap each layer's attention and MLP in a grouped dynamic causal
+convolution and pick their drafts with a candidate selector instead of the argmax (both in ``dflash2.py``): ``propose``
+is THE draft head for both kinds.
+
 The SGLang runtime twin is ``serving/draft_model.py`` (``DFlashDraftModel``, SGLang layers); both share
 ``draft_logits`` and the rope settings of ``DFlashConfig.rope_config``; ``tests/test_drafter_parity.py`` checks
 that they compute the same thing.
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig
+from .dflash2 import CandidateSelector, DraftBlock, GroupedCausalConv
 
 
 class RMSNorm(nn.Module):
@@ -188,10 +193,26 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
+        # DFlash2: a convolution around each sublayer (its input before, its output after)
+        self.attention_conv = GroupedCausalConv(cfg) if cfg.is_dflash2 else None
+        self.mlp_conv = GroupedCausalConv(cfg) if cfg.is_dflash2 else None
 
     def forward(self, x, context, rope, q_pos, k_pos, visible):
-        x = x + self.self_attn(self.input_layernorm(x), context, rope, q_pos, k_pos, visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = _convolved(self.attention_conv, lambda h: self.self_attn(h, context, rope, q_pos, k_pos, visible))
+        x = x + attn(self.input_layernorm(x))
+        return x + _convolved(self.mlp_conv, self.mlp)(self.post_attention_layernorm(x))
+
+
+def _convolved(conv: GroupedCausalConv | None, sublayer):
+    """The sublayer, wrapped in its DFlash2 convolution if it has one."""
+    if conv is None:
+        return sublayer
+
+    def wrapped(h):
+        h, coefficients = conv.prepare(h)
+        return conv.finish(sublayer(h), coefficients)
+
+    return wrapped
 
 
 class DFlashDrafter(nn.Module):
@@ -203,6 +224,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, cfg.gemma_norm)
         self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, cfg.gemma_norm)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.is_dflash2 else None
         self.rope = Rope(cfg)
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
@@ -228,6 +250,16 @@ class DFlashDrafter(nn.Module):
     def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits [.., V] float32 through the TARGET's lm_head (module function `draft_logits`)."""
         return draft_logits(hidden, lm_head_weight, self.config, torch.float32)
+
+    def propose(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, anchor_ids: torch.Tensor,
+                temperature: torch.Tensor | None = None, generator: torch.Generator | None = None) -> DraftBlock:
+        """THE draft head: hidden [n, L, H] of block positions 1..L -> the drafted tokens. DFlash: the argmax of the
+        draft logits (point masses, whatever the temperature). DFlash2: the selector's path from anchor_ids [n]
+        (the bonus tokens), argmax where temperature [n] is 0 (or None), else drawn from q at that temperature."""
+        logits = self.draft_logits(hidden, lm_head_weight)
+        if self.candidate_selector is None:
+            return DraftBlock(logits.argmax(dim=-1))
+        return self.candidate_selector.walk(hidden, logits, anchor_ids, temperature, generator)
 
     def block_embeddings(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Rows of the TARGET's embedding table, times the config's input_embedding_scale."""

@@ -5,7 +5,7 @@ import torch
 
 from _stats import chi2_pvalue, detectable_tv, grouped_chi2
 
-from sglang_dflash.acceptance import verify_greedy, verify_sampled
+from sglang_dflash.acceptance import verify_greedy, verify_sampled, verify_sampled_q
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs, sample_from_probs
 
 
@@ -168,3 +168,88 @@ def test_verify_sampled_with_logit_bias():
     failures, seen = emitted_distribution_failures(drafts, probs, kinds, tokens)
     assert not failures, f"emitted tokens do not follow the biased target at {failures}"
     assert min(draws for _, draws, _ in seen) > 5_000 and (commit == b).any()
+
+
+# ------------------------------------------------------------------ drafts drawn from q (DFlash2's selector)
+# The target block of verify_sampled_q's tests: B = 4 rows over V = 8 tokens, token 7 of probability 0 everywhere,
+# and in every row mass outside any candidate set below (the residual must reach the whole vocabulary).
+Q_BLOCK_PROBS = torch.tensor([
+    [0.40, 0.20, 0.10, 0.10, 0.08, 0.07, 0.05, 0.00],
+    [0.05, 0.45, 0.20, 0.10, 0.08, 0.07, 0.05, 0.00],
+    [0.10, 0.05, 0.40, 0.25, 0.08, 0.07, 0.05, 0.00],
+    [0.20, 0.10, 0.30, 0.25, 0.05, 0.05, 0.05, 0.00],
+])
+Q_CANDIDATES = torch.tensor([  # K = 3 candidates per draft position, for each kind of draft distribution
+    [[0, 1, 2], [1, 2, 3], [2, 3, 0]],  # near p: mostly accepted
+    [[7, 5, 0], [7, 6, 1], [7, 4, 2]],  # far from p, a candidate of probability 0: the residual path
+    [[0, 1, 2], [1, 2, 3], [2, 3, 0]],  # greedy rows: q a point mass (on the first candidate)
+    [[0, 1, 2], [1, 2, 3], [2, 3, 0]],  # conditional: q_i depends on the token drafted at i - 1
+])
+Q_ROWS = torch.tensor([[0.60, 0.25, 0.15], [0.60, 0.30, 0.10], [0.55, 0.35, 0.10]])  # kind 0, per position
+Q_FAR = torch.tensor([[0.50, 0.40, 0.10], [0.40, 0.30, 0.30], [0.60, 0.20, 0.20]])  # kind 1
+Q_CONDITIONAL = torch.tensor([[0.10, 0.30, 0.60], [0.70, 0.20, 0.10], [0.34, 0.33, 0.33]])  # kind 3, by previous slot
+
+
+def draft_from_q(n: int, g: torch.Generator):
+    """n blocks, a quarter of each kind: candidates [n, 3, K], q [n, 3, K] and drafts [n, 3] drawn here from q,
+    position by position (kind 3's q at position i > 0 is Q_CONDITIONAL's row for the slot drafted at i - 1)."""
+    kinds = torch.arange(n) % len(Q_CANDIDATES)
+    q = torch.stack([Q_ROWS, Q_FAR, torch.eye(3)[[0, 0, 0]], Q_ROWS])[kinds].clone()
+    slots = torch.empty(n, 3, dtype=torch.long)
+    for i in range(3):
+        if i > 0:
+            conditional = kinds == 3
+            q[conditional, i] = Q_CONDITIONAL[slots[conditional, i - 1]]
+        slots[:, i] = torch.multinomial(q[:, i], 1, generator=g)[:, 0]
+    candidates = Q_CANDIDATES[kinds]
+    return kinds, candidates, q, candidates.gather(2, slots[:, :, None])[:, :, 0]
+
+
+def test_verify_sampled_q_emits_target_distribution():
+    """Drafts drawn from q over K = 3 candidates (near p, far from p with a candidate of probability 0, point
+    masses, q depending on the previous draft), 120,000 blocks: at every block position and the bonus after full
+    acceptance the emitted token follows the target's row, a replacement never equals its rejected draft, and
+    tokens of probability 0 never appear (the grouped chi-square of emitted_distribution_failures, one group per
+    kind).
+
+    Power (threshold ALPHA = 1e-4, >= 95% against the worst-case direction, _stats.detectable_tv; seed 5):
+        first token  n = 120,000  df 24  detects TV >= 0.011
+        position 1   n =  59,175  df 24  detects TV >= 0.016
+        position 2   n =  34,119  df 24  detects TV >= 0.021
+        bonus        n =  21,158  df 24  detects TV >= 0.027
+    The bugs planted in test_mutations_algorithm.py move TV far more on some kind (accepting with p(d) instead of
+    p(d) / q(d): kind 0 keeps drafts of q 0.6 with probability 0.4 instead of 0.67)."""
+    g = torch.Generator().manual_seed(5)
+    n = 120_000
+    kinds, candidates, q, drafts = draft_from_q(n, g)
+    probs = Q_BLOCK_PROBS.expand(n, *Q_BLOCK_PROBS.shape).contiguous()
+    commit, tokens = verify_sampled_q(drafts, probs, candidates, q, g)
+    failures, seen = emitted_distribution_failures(drafts, probs, kinds, tokens)
+    assert not failures, f"emitted tokens do not follow the target at (role, p-value, draws, df) {failures}"
+    for role, draws, df in seen:  # the power stated above, enforced
+        assert detectable_tv(draws, df, ALPHA) < 0.03, (role, draws, df)
+    assert set(commit.tolist()) == {1, 2, 3, 4} and not (tokens == 7).any()
+    # The law alone cannot see a rule that accepts too rarely (accepting d with p(d), the point-mass rule, is exact
+    # for drafts from any q): d_1 must be kept with probability sum_c min(p(c), q(c)), here within 4.5 sigma.
+    for kind in range(len(Q_CANDIDATES)):
+        rows = kinds == kind
+        p = Q_BLOCK_PROBS[0, candidates[rows][0, 0]]
+        expected = torch.minimum(p, q[rows][0, 0]).sum().item()
+        kept = (commit[rows] > 1).double().mean().item()
+        sigma = (expected * (1 - expected) / rows.sum().item()) ** 0.5
+        assert abs(kept - expected) < 4.5 * sigma, f"kind {kind}: d_1 kept at rate {kept:.4f}, not {expected:.4f}"
+
+
+def test_point_mass_q_is_verify_sampled_draw_for_draw():
+    """A one-hot q (a greedy draft) turns the rule into verify_sampled's, consuming the generator the same way."""
+    g = torch.Generator().manual_seed(2)
+    n, b, v, k = 512, 5, 12, 3
+    probs = torch.softmax(torch.randn(n, b, v, generator=g) * 2, dim=-1)
+    candidates = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n * (b - 1))]).view(n, b - 1, k)
+    pick = torch.randint(k, (n, b - 1), generator=g)
+    drafts = candidates.gather(2, pick[:, :, None])[:, :, 0]
+    q = torch.nn.functional.one_hot(pick, k).float()
+    a = verify_sampled(drafts, probs, torch.Generator().manual_seed(9))
+    c = verify_sampled_q(drafts, probs, candidates, q, torch.Generator().manual_seed(9))
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    assert len(set(a[0].tolist())) > 2

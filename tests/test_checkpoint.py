@@ -6,7 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_dflash.checkpoint import load_drafter, save_drafter
 from sglang_dflash.config import DFlashConfig, DFlashConfigError
-from sglang_dflash.targets.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+from sglang_dflash.targets.tiny import tiny_dflash2_drafter, tiny_drafter, tiny_drafter_config, tiny_target
 
 PER_LAYER = [
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -85,3 +85,66 @@ def test_bad_checkpoints_name_the_problem(tmp_path, target):
     DFlashConfig.from_pretrained(tmp_path)  # the config alone is fine
     with pytest.raises(DFlashConfigError, match="vocab_size"):
         load_drafter(tmp_path, target_config=other.config)
+
+
+# ---------------------------------------------------------------------------------------------------------- DFlash2
+def test_dflash2_round_trip_in_the_published_layout(tmp_path, target):
+    """Saved with the published names (bare codebooks, as z-lab publishes and SGLang loads them), loaded bit for bit,
+    and the same drafts from the loaded drafter."""
+    drafter = tiny_dflash2_drafter(target.config, block_size=8)
+    save_drafter(drafter, tmp_path, max_shard_bytes=100_000)
+    names = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
+            "layers.0.mlp_conv.kernel_projection.weight"} <= names
+    assert set(published_names(1)) < names
+    loaded = load_drafter(tmp_path, target_config=target.config)
+    assert loaded.config.is_dflash2
+    for n, t in drafter.state_dict().items():
+        assert torch.equal(t, loaded.state_dict()[n]), n
+
+
+def test_dflash2_codebooks_under_the_packages_names(tmp_path, target):
+    """The `dflash` package saves its nn.Embedding codebooks as `...codebook.weight`: loaded as the same tensors;
+    both spellings of one codebook in a checkpoint are refused, naming it."""
+    drafter = tiny_dflash2_drafter(target.config, block_size=8)
+    save_drafter(drafter, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    renamed = {(k + ".weight" if k.endswith("_codebook") else k): v for k, v in state.items()}
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    loaded = load_drafter(tmp_path)
+    assert torch.equal(loaded.candidate_selector.successor_codebook, drafter.candidate_selector.successor_codebook)
+    renamed["candidate_selector.successor_codebook"] = state["candidate_selector.successor_codebook"].clone()
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashConfigError, match="both 'candidate_selector.successor_codebook'"):
+        load_drafter(tmp_path)
+
+
+def test_dflash2_bad_checkpoints_name_the_tensor_and_the_key(tmp_path, target):
+    drafter = tiny_dflash2_drafter(target.config, block_size=8)
+    save_drafter(drafter, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    # a missing codebook
+    save_file({k: v for k, v in state.items() if "predecessor" not in k}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashConfigError, match="candidate_selector.predecessor_codebook.*convolution and selector"):
+        load_drafter(tmp_path)
+    # codebooks of another rank than selector_rank
+    codebook = "candidate_selector.predecessor_codebook"
+    bad = dict(state, **{codebook: state[codebook][:, :4].contiguous()})
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashConfigError, match="predecessor_codebook.*selector_rank"):
+        load_drafter(tmp_path)
+    # a convolution of other taps than conv_kernel_size
+    bad = dict(state, **{"layers.0.mlp_conv.base_kernel": state["layers.0.mlp_conv.base_kernel"][:, :2].contiguous()})
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashConfigError, match="mlp_conv.base_kernel.*conv_kernel_size"):
+        load_drafter(tmp_path)
+    # DFlash2 tensors under a DFlash config: the fix says which architecture
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["DFlashDraftModel"]
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        del cfg["dflash_config"][key]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashConfigError, match="is a DFlash2 drafter"):
+        load_drafter(tmp_path)

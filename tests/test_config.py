@@ -93,7 +93,10 @@ _DELETE = object()
 
 BAD_DRAFTER = [
     (_edit(architectures=["Qwen3ForCausalLM"]), "architectures"),
-    (_edit(architectures=["DFlash2DraftModel"]), "architectures"),
+    (_edit(architectures=["DFlash2DraftModel"]), "conv_kernel_size"),  # a DFlash2 name needs the DFlash2 keys
+    (_edit(dflash_selector_rank=64), "selector_rank"),  # and a DFlash name none of them
+    (_edit(dflash_output_multiplier=0.0), "output_multiplier"),
+    (_edit(dflash_final_logit_softcapping=-30.0), "final_logit_softcapping"),
     (_edit(dflash_mask_token_id=None), "mask_token_id"),
     (_edit(dflash_mask_token_id=151936), "mask_token_id"),
     (_edit(dflash_mask_token_id=-1), "mask_token_id"),
@@ -150,3 +153,79 @@ def test_missing_or_broken_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(DFlashConfigError, match="not valid JSON"):
         DFlashConfig.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------- DFlash2
+# A DFlash2 config as z-lab publishes it (Qwen3.5-4B-DFlash2 style): the DFlash layout plus the convolution and
+# selector keys in dflash_config.
+PUBLISHED_DFLASH2 = copy.deepcopy(PUBLISHED)
+PUBLISHED_DFLASH2["architectures"] = ["DFlash2DraftModel"]
+PUBLISHED_DFLASH2["dflash_config"].update(conv_kernel_size=4, conv_group_size=128, selector_rank=64,
+                                           selector_top_k=32, output_multiplier=1.0, final_logit_softcapping=30.0)
+
+
+def _edit2(**changes):
+    d = copy.deepcopy(PUBLISHED_DFLASH2)
+    for k, v in changes.items():
+        if v is _DELETE:
+            d["dflash_config"].pop(k[len("dflash_"):])
+        elif k.startswith("dflash_"):
+            d["dflash_config"][k[len("dflash_"):]] = v
+        else:
+            d[k] = v
+    return d
+
+
+def test_parses_dflash2_keys():
+    cfg = DFlashConfig.from_dict(PUBLISHED_DFLASH2)
+    assert cfg.is_dflash2 and cfg.architecture == "DFlash2DraftModel"
+    assert (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (4, 128, 64, 32)
+    assert cfg.final_logit_softcapping == 30.0 and cfg.output_multiplier == 1.0
+    assert DFlashConfig.from_dict(_edit2(architectures=["DFlash2BeamDraftModel"])).is_dflash2  # the alias
+    assert not DFlashConfig.from_dict(PUBLISHED).is_dflash2
+    # 0 / null softcap means none, as both exporters read it
+    assert DFlashConfig.from_dict(_edit2(dflash_final_logit_softcapping=0)).final_logit_softcapping is None
+
+
+def test_dflash2_round_trip_writes_the_published_layout(tmp_path):
+    cfg = DFlashConfig.from_dict(PUBLISHED_DFLASH2)
+    cfg.save(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"]
+    assert saved["dflash_config"] == PUBLISHED_DFLASH2["dflash_config"]
+    assert DFlashConfig.from_pretrained(tmp_path) == cfg
+    # the one writer puts the keys where SGLang reads them (dflash_config only)
+    target = tiny_target("qwen3")
+    d = tiny_drafter_config(target.config, architecture="DFlash2DraftModel", conv_kernel_size=3, conv_group_size=16,
+                            selector_rank=8, selector_top_k=4, output_multiplier=0.5)
+    assert {k: d["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                               "selector_top_k", "output_multiplier")} == dict(
+        conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4, output_multiplier=0.5)
+    assert DFlashConfig.from_dict(d).is_dflash2
+
+
+def test_dflash_configs_write_no_dflash2_keys():
+    """DFlash (v1) configs are written exactly as before: no DFlash2 key, no neutral multiplier or cap."""
+    d = tiny_drafter_config(tiny_target("qwen3").config)
+    assert set(d["dflash_config"]) == {"target_layer_ids", "mask_token_id"}
+    assert d["architectures"] == ["DFlashDraftModel"]
+
+
+BAD_DFLASH2 = [
+    (_edit2(dflash_conv_kernel_size=_DELETE), "conv_kernel_size", "needs it"),
+    (_edit2(dflash_conv_group_size=0), "conv_group_size", "needs it"),
+    (_edit2(dflash_conv_group_size=100), "conv_group_size", "does not divide hidden_size=4096"),
+    (_edit2(dflash_selector_rank=None), "selector_rank", "needs it"),
+    (_edit2(dflash_selector_top_k=-1), "selector_top_k", "needs it"),
+    (_edit2(dflash_selector_top_k=200_000), "selector_top_k", "exceeds vocab_size"),
+    (_edit2(dflash_selector_rank=6.5), "selector_rank", "not an integer"),
+    (_edit2(dflash_conv_kernel_size="4"), "conv_kernel_size", "not an integer"),
+    (_edit2(dflash_output_multiplier=-1.0), "output_multiplier", "positive"),
+]
+
+
+@pytest.mark.parametrize("d,key,problem", BAD_DFLASH2, ids=[f"{k}-{i}" for i, (_, k, _) in enumerate(BAD_DFLASH2)])
+def test_bad_dflash2_keys_name_key_problem_and_fix(d, key, problem):
+    with pytest.raises(DFlashConfigError) as e:
+        DFlashConfig.from_dict(d)
+    assert e.value.key == f"dflash_config.{key}" and problem in str(e.value) and "Fix:" in str(e.value), str(e.value)

@@ -119,8 +119,8 @@ def inputs(target, drafter, seed=0):
     return features, block, torch.arange(CONTEXT), torch.arange(CONTEXT, CONTEXT + BLOCK)
 
 
-@pytest.mark.skipif(IN_CPU_ENGINE, reason="this is the subprocess")
-def test_parity_in_sglang_cpu_engine(tmp_path):
+def run_in_cpu_engine(test_file: str, tmp_path) -> str:
+    """pytest on `test_file` (in this folder) in a fresh subprocess with the CPU server's environment; its stdout."""
     import shutil
 
     from sglang_dflash.testing import build_stub_libcuda, cpu_server_env
@@ -129,10 +129,16 @@ def test_parity_in_sglang_cpu_engine(tmp_path):
         pytest.skip("the stub libcuda needs gcc")
     env = cpu_server_env(build_stub_libcuda(tmp_path / "stub"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
-                        Path(__file__).name], cwd=Path(__file__).parent, env=env, capture_output=True, text=True,
+                        Path(test_file).name], cwd=Path(__file__).parent, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "8 passed, 1 skipped" in r.stdout, r.stdout[-2000:]  # every check ran: 3 per drafter, 2 drafters
+    return r.stdout
+
+
+@pytest.mark.skipif(IN_CPU_ENGINE, reason="this is the subprocess")
+def test_parity_in_sglang_cpu_engine(tmp_path):
+    out = run_in_cpu_engine(__file__, tmp_path)
+    assert "8 passed, 1 skipped" in out, out[-2000:]  # every check ran: 4 per drafter, 2 drafters
 
 
 @in_cpu_engine
@@ -161,27 +167,34 @@ def test_context_kv_written_by_the_server_equals_the_plain_layers(pair):
         assert torch.allclose(pool.v[i], v[0].transpose(0, 1), **TOL), f"layer {i}: context V differs"
 
 
-@in_cpu_engine
-@torch.no_grad()
-def test_block_forward_and_draft_logits_equal_the_plain_drafter(pair, monkeypatch):
+def served_and_plain(model, target, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of `inputs` through the SGLang model (bound to the target; its context K/V written into a
+    DictKVPool, attention by ContextThenBlockAttention) and through the plain drafter: both [Q, H]."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    # RowParallelLinear asks the TP group (never initialised here) whether to use symmetric memory; one rank: no
-    monkeypatch.setattr("sglang.srt.layers.linear.get_tp_group", lambda: SimpleNamespace(world_size=1))
-    _, target, drafter, model = pair
     model.bind_target(target.get_input_embeddings(), target.get_output_embeddings())
-    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    embed = target.get_input_embeddings().weight
     features, block, ctx_pos, block_pos = inputs(target, drafter)
     pool = DictKVPool()
     model.write_context_kv(features, ctx_pos, torch.arange(CONTEXT), pool)
     batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND)
     with forward_context(ForwardContext(attn_backend=ContextThenBlockAttention(pool, ctx_pos, block_pos))):
-        served = model(block, block_pos, batch).hidden_states  # [Q, H]
-
+        served = model(block, block_pos, batch).hidden_states
     plain = drafter(drafter.block_embeddings(block[None], embed), block_pos[None],
                     drafter.project_context(features)[None], ctx_pos[None])[0]
+    return served, plain
+
+
+@in_cpu_engine
+@torch.no_grad()
+def test_block_forward_and_draft_logits_equal_the_plain_drafter(pair, monkeypatch):
+    # RowParallelLinear asks the TP group (never initialised here) whether to use symmetric memory; one rank: no
+    monkeypatch.setattr("sglang.srt.layers.linear.get_tp_group", lambda: SimpleNamespace(world_size=1))
+    _, target, drafter, model = pair
+    served, plain = served_and_plain(model, target, drafter)
     assert torch.allclose(served, plain, **TOL), (served - plain).abs().max()
+    lm_head = target.get_output_embeddings().weight
     served_logits, plain_logits = model.draft_logits(served[1:]), drafter.draft_logits(plain[1:], lm_head)
     assert torch.allclose(served_logits, plain_logits, **TOL)
     assert torch.equal(served_logits.argmax(-1), plain_logits.argmax(-1))

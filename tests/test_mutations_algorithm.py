@@ -3,6 +3,10 @@ one-line edit of the function's own source, compiled and monkeypatched in for th
 that the real test body fails on it. If a mutation site disappears from the source, `plant` fails loudly: move the
 mutation to the new code rather than deleting the test.
 
+Verifying DFlash2's q-drafts with the point-mass rule (accept d with p(d), else draw from p without d) is exact in
+law for drafts from any q; it only accepts less. So its mutant (`test_dflash2_acceptance_rate_test_catches_...`) is
+caught by an acceptance-rate check, not by a distribution test.
+
 Not planted, on purpose: "residual not renormalised". sample_from_probs draws argmax(p / E), which is invariant to
 scaling p, so the unnormalised residual yields the same tokens: an equivalent mutant, not a bug.
 """
@@ -15,9 +19,10 @@ import pytest
 import torch
 
 import test_acceptance as acceptance_tests
+import test_dflash_oracle as oracle_tests
 import test_drafter as drafter_tests
 import test_reference_engine as engine_tests
-from sglang_dflash import acceptance, drafter
+from sglang_dflash import acceptance, dflash2, drafter
 from sglang_dflash.reference import engine
 
 
@@ -57,6 +62,62 @@ def test_verify_distribution_test_catches(monkeypatch, bug):
         acceptance_tests.test_verify_sampled_emits_target_distribution()
 
 
+# ---------------------------------------------------------------- verify_sampled_q (drafts drawn from q)
+VERIFY_Q_BUGS = {
+    "accepts 15% too often": ("u * q_draft < p_draft", "u * q_draft < 1.15 * p_draft", "first token"),
+    "q read at the first candidate, not the draft's": (
+        "(draft_q * (candidates == drafts[:, :, None])).sum(dim=-1)", "draft_q[:, :, 0]", "first token"),
+    "residual ignores q": ("-rejected * draft_q[rows, at]", "0 * draft_q[rows, at]", "equal to its rejected draft"),
+    "residual not clamped at 0": (".clamp_(min=0)", ".clamp_(min=-1)", "first token"),
+    "accepts with p(d), not p(d) / q(d)": ("u * q_draft < p_draft", "u < p_draft", "first token"),
+    "bonus row loses the last draft's q": ("(accepted < b - 1)[:, None]", "(accepted <= b - 1)[:, None]", "bonus"),
+}
+
+
+@pytest.mark.parametrize("bug", list(VERIFY_Q_BUGS))
+def test_verify_q_distribution_test_catches(monkeypatch, bug):
+    old, new, role = VERIFY_Q_BUGS[bug]
+    plant(monkeypatch, acceptance, "verify_sampled_q", old, new)
+    with pytest.raises(AssertionError, match=role):
+        acceptance_tests.test_verify_sampled_q_emits_target_distribution()
+
+
+# ---------------------------------------------------------------- DFlash2 against the dflash package (oracle)
+ORACLE_BUGS = {  # bug: (owner, function, old source, new source)
+    "selector's transitions always from the anchor": (
+        dflash2.CandidateSelector, "walk", "self.predecessor_codebook[previous]",
+        "self.predecessor_codebook[anchor_ids]"),
+    "selector's codebooks swapped": (
+        dflash2.CandidateSelector, "walk", "self.successor_codebook[candidates[:, i]]",
+        "self.predecessor_codebook[candidates[:, i]]"),
+    "selector's transitions use the first position's hidden state": (
+        dflash2.CandidateSelector, "walk", "* projected[:, i]", "* projected[:, 0]"),
+    "convolution one position late": (
+        dflash2.GroupedCausalConv, "_convolve", "F.pad(x[:, :, :-s], (0, 0, 0, 0, s, 0))",
+        "F.pad(x[:, :, :-s - 1], (0, 0, 0, 0, s + 1, 0))"),
+    "convolution without its dynamic coefficients": (
+        dflash2.GroupedCausalConv, "_convolve", "(base[s] + dyn[:, :, :, s])", "base[s]"),
+    "output convolution with the input's base kernel": (
+        dflash2.GroupedCausalConv, "finish", "self._convolve(y, dyn, 1)", "self._convolve(y, dyn, 0)"),
+    "projection read as [taps, 2, groups]": (
+        dflash2.GroupedCausalConv, "prepare", "view(*x.shape[:-1], 2, self.taps, self.groups)",
+        "view(*x.shape[:-1], self.taps, 2, self.groups).transpose(-3, -2)"),
+    "no convolution around the MLP": (
+        drafter.DraftLayer, "forward", "_convolved(self.mlp_conv, self.mlp)", "self.mlp"),
+}
+
+
+@pytest.mark.parametrize("bug", list(ORACLE_BUGS))
+def test_oracle_comparison_catches(monkeypatch, bug):
+    """Each bug is planted in our DFlash2 code after the package ran (its checkpoints are written first); our
+    reference engine must then differ from the dflash package's decoder on the tiny Qwen3 DFlash2 checkpoint."""
+    owner, name, old, new = ORACLE_BUGS[bug]
+    oracle_tests.oracle_runs()  # install the oracle, train, save and run it outside the mutation
+    plant(monkeypatch, owner, name, old, new)
+    with pytest.raises(AssertionError, match="differs from the dflash package"):
+        oracle_tests.test_tiny_checkpoints_equal_the_packages_decoder(("qwen3", "dflash2"))
+
+
 # ---------------------------------------------------------------- the engine (test_reference_engine.py)
 ENGINE_BUGS = {  # bug: (owner, function, old source, new source, SAMPLED index, the role whose check must fail)
     # the verify step samples at temperature 1 whatever the request asked (the prefill sample stays right)
@@ -89,6 +150,32 @@ def test_engine_distribution_test_catches(monkeypatch, bug):
     plant(monkeypatch, owner, name, old, new)
     with pytest.raises(AssertionError, match=f"do not follow the target.*{role}"):
         engine_tests.test_sampled_output_follows_target_distribution(engine_tests.SAMPLED[params], n_requests=300)
+
+
+DFLASH2_ENGINE_BUGS = {  # bug: (owner, function, old source, new source)
+    # the selector draws its drafts at temperature 1 but hands the verify q at the request's temperature
+    "drafts not drawn from the q handed to the verify": (
+        dflash2.CandidateSelector, "walk", "best = sample_from_probs(q, generator)",
+        "best = sample_from_probs(torch.where(greedy[:, None], q, torch.softmax(scores, dim=-1)), generator)"),
+}
+
+
+@pytest.mark.parametrize("bug", list(DFLASH2_ENGINE_BUGS))
+def test_dflash2_engine_distribution_test_catches(monkeypatch, bug):
+    owner, name, old, new = DFLASH2_ENGINE_BUGS[bug]
+    engine_tests.markov_dflash2()  # train outside the mutation
+    plant(monkeypatch, owner, name, old, new)
+    with pytest.raises(AssertionError, match="do not follow the target"):
+        engine_tests.test_dflash2_sampled_output_follows_target_distribution(engine_tests.SAMPLED[0], n_requests=300)
+
+
+def test_dflash2_acceptance_rate_test_catches_point_mass_verify(monkeypatch):
+    """Verifying q-drafts with the point-mass rule keeps the law (so the distribution test passes) but accepts
+    d with p(d) instead of min(1, p(d) / q(d))."""
+    engine_tests.markov_dflash2()
+    plant(monkeypatch, engine.ReferenceEngine, "_verify", "if draft.q is None:", "if True:")
+    with pytest.raises(AssertionError, match="kept at rate"):
+        engine_tests.test_dflash2_sampled_first_draft_acceptance_rate()
 
 
 # ---------------------------------------------------------------- the drafter and the greedy baseline

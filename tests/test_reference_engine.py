@@ -11,7 +11,7 @@ from _stats import detectable_tv, grouped_chi2
 
 from sglang_dflash.reference import ReferenceEngine
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs
-from sglang_dflash.targets.tiny import tiny_drafter, tiny_target
+from sglang_dflash.targets.tiny import as_dflash2, tiny_dflash2_drafter, tiny_drafter, tiny_target
 from sglang_dflash.train.loop import Sequence, greedy_continuations, train_drafter
 
 ARCHS = ["llama", "qwen3", "gemma3"]
@@ -53,6 +53,23 @@ def test_greedy_equals_target_only_and_accepts_many(pair):
     assert 1 in commits and BLOCK in commits and commits & set(range(2, BLOCK))  # every acceptance regime ran
     # fewer target forwards than tokens: the multi-token path really committed several tokens per pass
     assert sum(s.target_forwards for s in spec[:5]) < sum(len(s.output_ids) for s in spec[:5]) / 2
+
+
+def test_dflash2_greedy_equals_target_only(pair):
+    """DFlash2 drafters, greedy: the selector's argmax path as drafts, output token for token the target's. Two
+    drafters per target: the trained pair's backbone with a random selector (accepted often: every acceptance
+    regime runs) and a random drafter with random convolutions (the convolutions on the engine's path)."""
+    arch, target, drafter, trained_prompts = pair
+    prompts = trained_prompts[:5] + random_prompts(3, seed=99)
+    params = SamplingParams(max_new_tokens=40)
+    base = ReferenceEngine(target).generate_target_only(prompts, params)
+    for dflash2 in (as_dflash2(drafter), tiny_dflash2_drafter(target.config, block_size=BLOCK)):
+        assert dflash2.config.is_dflash2
+        spec = ReferenceEngine(target, dflash2).generate(prompts, params)
+        assert [s.output_ids for s in spec] == [b.output_ids for b in base], arch
+    commits = set(itertools.chain(*(s.commit_lens for s in ReferenceEngine(target, as_dflash2(drafter)).generate(
+        prompts, params))))
+    assert 1 in commits and BLOCK in commits and commits & set(range(2, BLOCK)), commits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -249,6 +266,65 @@ def test_sampled_output_follows_target_distribution(kw, n_requests=1500):
         assert seen[-1][1] >= 1500, seen
 
 
+@functools.cache
+def markov_dflash2():
+    """The Markov pair's drafter as a DFlash2 one (its backbone, a random selector over 3 of the 6 tokens): sampled
+    drafts are drawn from the selector's q, which is not the target's p and is zero outside the candidates."""
+    target, drafter = markov_pair()
+    return target, as_dflash2(drafter, selector_top_k=3)
+
+
+@pytest.mark.parametrize("kw", SAMPLED[:2], ids=["temperature", "top_k"])
+def test_dflash2_sampled_output_follows_target_distribution(kw, n_requests=1500):
+    """As test_sampled_output_follows_target_distribution, with a DFlash2 drafter: drafts drawn from q over the
+    selector's 3 candidates, verified by verify_sampled_q. Power at seed 11 (draws, smallest TV detected):
+                       prefill      d_1 / repl.    d_2 / repl.    d_3 / repl.    bonus
+        temperature 0.6    1500 .119    12121 .045     8427 .046      4818 .059      3134 .071
+        T 1.4, top_k 3     1500 .119    13041 .041     8396 .046      4478 .063      2585 .080"""
+    target, drafter = markov_dflash2()
+    params = SamplingParams(max_new_tokens=20, **kw)
+    failures, seen, commits = sampled_distribution_failures(target, drafter, params, n_requests, MARKOV_ALPHA)
+    assert not failures, f"{kw}: emitted tokens do not follow the target at (role, p-value, draws, df) {failures}"
+    assert set(commits) == set(range(1, MARKOV_BLOCK + 1)), "every acceptance length must occur"
+    if n_requests >= 1500:
+        for name, draws, df in seen:
+            assert detectable_tv(draws, df, MARKOV_ALPHA) < MAX_TV, (kw, name, draws, df)
+        assert seen[-1][1] >= 1500, seen
+
+
+def test_dflash2_sampled_first_draft_acceptance_rate(n_requests=300):
+    """The verify must use q, not only keep the law: a step keeps d_1 with probability sum_c min(p(c), q_1(c)) (p:
+    the target's exact row after the bonus, q_1: the selector's distribution d_1 was drawn from, both recorded per
+    step). The point-mass rule would keep it with p(d_1) only, which is also exact in law. Checked as a sum of
+    Bernoullis of known means, within 4.5 sigma (~3,000 steps)."""
+    target, drafter = markov_dflash2()
+    params = SamplingParams(temperature=1.0, max_new_tokens=20)
+    v = target.config.vocab_size
+    exact = target.next_token_probs(params)
+    engine = ReferenceEngine(target, drafter, seed=3)
+    expected: dict[int, list[float]] = {}  # per request (first-seen order = prompt order), one mean per step
+    draft = engine._draft
+
+    def recording_draft(reqs):
+        block = draft(reqs)
+        for i, r in enumerate(reqs):
+            seq = [v] + r.prompt + r.out
+            p = exact[seq[-2], seq[-1]][block.candidates[i, 0]]
+            expected.setdefault(id(r), []).append(torch.minimum(p, block.q[i, 0]).sum().item())
+        return block
+
+    engine._draft = recording_draft
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(v, (3,), generator=g).tolist() for _ in range(n_requests)]
+    results = engine.generate(prompts, params)
+    kept = [n > 1 for r in results for n in r.commit_lens]
+    means = [e for per_request in expected.values() for e in per_request]
+    assert len(kept) == len(means)
+    mean, sigma = sum(means), sum(e * (1 - e) for e in means) ** 0.5
+    assert abs(sum(kept) - mean) < 4.5 * sigma, f"d_1 kept at rate {sum(kept) / len(kept):.4f}, " \
+                                                 f"not {mean / len(means):.4f} ({len(means)} steps)"
+
+
 def test_sampled_batch_mixes_greedy_rows():
     """A greedy request batched with sampled ones stays token-identical to target-only greedy."""
     target = tiny_target("llama")
@@ -256,11 +332,11 @@ def test_sampled_batch_mixes_greedy_rows():
     prompts = random_prompts(4, seed=5)
     params = [SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24),
               SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=24), SamplingParams(max_new_tokens=24)]
-    engine = ReferenceEngine(target, drafter, seed=1)
-    spec = engine.generate(prompts, params)
-    base = engine.generate_target_only(prompts, SamplingParams(max_new_tokens=24))
-    assert spec[0].output_ids == base[0].output_ids and spec[3].output_ids == base[3].output_ids
-    assert all(len(s.output_ids) == 24 for s in spec)
+    base = ReferenceEngine(target).generate_target_only(prompts, SamplingParams(max_new_tokens=24))
+    for d in (drafter, tiny_dflash2_drafter(target.config, block_size=BLOCK)):  # DFlash2: greedy rows, q one-hot
+        spec = ReferenceEngine(target, d, seed=1).generate(prompts, params)
+        assert spec[0].output_ids == base[0].output_ids and spec[3].output_ids == base[3].output_ids
+        assert all(len(s.output_ids) == 24 for s in spec)
 
 
 def test_engine_rejects_mismatched_drafter():

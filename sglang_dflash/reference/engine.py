@@ -7,7 +7,8 @@ batched over the active requests, and acceptance uses the same pure functions as
 One speculative step, per active request:
     draft   block [bonus, MASK x (B-1)] at positions fed..fed+B-1, one drafter pass over it and the request's context
     verify  one target pass over [bonus, d_1..d_{B-1}] on top of its cache, returning logits and hidden states
-    accept  verify_greedy / verify_sampled -> commit_len = accepted drafts + 1 tokens
+    accept  verify_greedy / verify_sampled (point-mass drafts) / verify_sampled_q (DFlash2 drafts drawn from q)
+            -> commit_len = accepted drafts + 1 tokens
     commit  keep the target KV and the drafter context of the fed tokens [bonus, d_1..d_a]; the target's own token
             becomes the next bonus
 """
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..acceptance import verify_greedy, verify_sampled
+from ..acceptance import verify_greedy, verify_sampled, verify_sampled_q
+from ..dflash2 import DraftBlock
 from ..drafter import DFlashDrafter
 from ..sampling import SamplingParams, SamplingTensors, processed_probs, sample_next
 from .target import HFTarget
@@ -66,10 +68,18 @@ class _Request:
 
 def draft_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torch.Tensor],
                embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """The greedy drafts [n, B-1] of `propose_step` (the teacher-forced replay's step)."""
+    return propose_step(drafter, bonus_ids, contexts, embed_weight, lm_head_weight).tokens
+
+
+def propose_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torch.Tensor],
+                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, temperature: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> DraftBlock:
     """THE draft step, one drafter pass for n requests: request i drafts the block [bonus_ids[i], MASK x (B-1)] at
     positions len(contexts[i]).. over its context rows contexts[i] [C_i, H] (from project_context, one per token
-    fed so far). Returns the greedy drafts [n, B-1] for block positions 1..B-1. Contexts are right-padded to the
-    longest; padded keys are invisible, so a request drafts the same tokens alone or in a batch."""
+    fed so far). Returns the drafts for block positions 1..B-1 (`DFlashDrafter.propose`: greedy, or for a DFlash2
+    drafter drawn from q where temperature [n] > 0). Contexts are right-padded to the longest; padded keys are
+    invisible, so a request drafts the same tokens alone or in a batch."""
     cfg, dev = drafter.config, embed_weight.device
     fed = [len(c) for c in contexts]
     n, b, c = len(contexts), cfg.block_size, max(fed)
@@ -84,7 +94,7 @@ def draft_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torc
     block_pos = torch.tensor(fed, device=dev)[:, None] + torch.arange(b, device=dev)
     embeds = drafter.block_embeddings(block_ids, embed_weight)
     hidden = drafter(embeds, block_pos, context, ctx_pos, visible)
-    return drafter.draft_logits(hidden[:, 1:], lm_head_weight).argmax(dim=-1)
+    return drafter.propose(hidden[:, 1:], lm_head_weight, block_ids[:, 0], temperature, generator)
 
 
 class ReferenceEngine:
@@ -124,14 +134,14 @@ class ReferenceEngine:
 
     # ---------------------------------------------------------------- the step
     def _speculative_step(self, reqs: list[_Request]) -> None:
-        drafts = self._draft(reqs)  # [n, B-1]
+        draft = self._draft(reqs)  # tokens [n, B-1] (+ DFlash2's q over its candidates)
         logits, features = [], []
-        for r, d in zip(reqs, drafts.tolist()):
+        for r, d in zip(reqs, draft.tokens.tolist()):
             lg, ft = self.target.forward([r.out[-1], *d], r.fed, r.cache)
             r.forwards += 1
             logits.append(lg)
             features.append(ft)
-        commit_lens, tokens = self._verify(reqs, drafts, torch.stack(logits))
+        commit_lens, tokens = self._verify(reqs, draft, torch.stack(logits))
         for r, n, toks, ft in zip(reqs, commit_lens.tolist(), tokens.tolist(), features):
             r.cache.crop(r.fed + n)  # keep KV of [bonus, d_1..d_{n-1}]; the rejected tail is dropped
             r.context = torch.cat([r.context, self.drafter.project_context(ft[:n])])
@@ -139,20 +149,26 @@ class ReferenceEngine:
             r.commit_lens.append(n)
             r.emit(toks[:n])
 
-    def _draft(self, reqs: list[_Request]) -> torch.Tensor:
-        """One drafter pass for all requests: block [bonus, MASK...] -> greedy drafts for positions 1..B-1."""
-        return draft_step(self.drafter, [r.out[-1] for r in reqs], [r.context for r in reqs],
-                          self.target.embed_weight, self.target.lm_head_weight)
+    def _draft(self, reqs: list[_Request]) -> DraftBlock:
+        """One drafter pass for all requests: block [bonus, MASK...] -> drafts for positions 1..B-1 (a DFlash2
+        drafter draws a sampled request's drafts from q at the request's temperature; greedy ones take the argmax)."""
+        temperature = None
+        if not all(r.params.greedy for r in reqs):
+            temperature = torch.tensor([r.params.temperature for r in reqs], device=self.target.device)
+        return propose_step(self.drafter, [r.out[-1] for r in reqs], [r.context for r in reqs],
+                            self.target.embed_weight, self.target.lm_head_weight, temperature, self.generator)
 
-    def _verify(self, reqs, drafts, logits):
+    def _verify(self, reqs, draft: DraftBlock, logits):
         if all(r.params.greedy for r in reqs):
-            return verify_greedy(drafts, logits)
+            return verify_greedy(draft.tokens, logits)
         n, b, v = logits.shape
         # The definition path on purpose, for every batch: this engine is the reference the server is compared with,
         # and the server's faster rule for unfiltered batches (verify_sampled_logits) is tested against this one's law
         s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device).repeat_interleave(b)
         probs = processed_probs(logits.view(n * b, v), s).view(n, b, v)
-        return verify_sampled(drafts, probs, self.generator)
+        if draft.q is None:  # point-mass drafts (DFlash)
+            return verify_sampled(draft.tokens, probs, self.generator)
+        return verify_sampled_q(draft.tokens, probs, draft.candidates, draft.q, self.generator)
 
     # ---------------------------------------------------------------- helpers
     def _prefill(self, prompts, params, with_context: bool) -> list[_Request]:

@@ -75,3 +75,46 @@ def tiny_drafter_config(target_config, num_layers: int = 1, block_size: int = 16
 def tiny_drafter(target_config, seed: int = 1, dtype=torch.float32, **kwargs) -> DFlashDrafter:
     torch.manual_seed(seed)
     return DFlashDrafter(DFlashConfig.from_dict(tiny_drafter_config(target_config, **kwargs))).to(dtype).eval()
+
+
+# The DFlash2 keys of the tiny drafters (hidden 64 = 4 groups of 16 channels; rank-8 codebooks; 4 candidates)
+TINY_DFLASH2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                    selector_top_k=4)
+
+
+def tiny_dflash2_drafter(target_config, seed: int = 1, dtype=torch.float32, **kwargs) -> DFlashDrafter:
+    """A tiny DFlash2 drafter (TINY_DFLASH2, then `kwargs`) whose convolutions and selector are random too: a fresh
+    drafter's convolutions are the identity and its codebooks near zero, which would hide either from a test."""
+    drafter = tiny_drafter(target_config, seed=seed, **{**TINY_DFLASH2, **kwargs})
+    randomize_dflash2(drafter, seed)
+    return drafter.to(dtype)
+
+
+def as_dflash2(drafter: DFlashDrafter, seed: int = 1, **keys) -> DFlashDrafter:
+    """A DFlash2 drafter with `drafter`'s backbone (a trained one keeps being accepted): identity convolutions and a
+    random selector (TINY_DFLASH2, then `keys`)."""
+    cfg = DFlashConfig.from_dict(drafter.config.to_dict(**{**TINY_DFLASH2, **keys}))
+    torch.manual_seed(seed)
+    out = DFlashDrafter(cfg).to(next(drafter.parameters()).dtype)
+    missing, unexpected = out.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("_conv." in n or "candidate_selector." in n for n in missing), missing
+    randomize_dflash2(out, seed, convolutions=False)
+    return out.eval()
+
+
+@torch.no_grad()
+def randomize_dflash2(drafter: DFlashDrafter, seed: int, convolutions: bool = True) -> None:
+    """Random DFlash2 weights in place: convolutions near the identity (tap 0 around 1, the others and the dynamic
+    coefficients around 0), codebooks N(0, 1), so that transitions reorder the candidates now and then."""
+    g = torch.Generator().manual_seed(seed)
+    if convolutions:
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                base = torch.randn(conv.base_kernel.shape, generator=g) * 0.3
+                base[:, 0] += 1.0
+                conv.base_kernel.copy_(base)
+                w = conv.kernel_projection.weight
+                w.copy_(torch.randn(w.shape, generator=g) * 0.3 / w.shape[1] ** 0.5)
+    sel = drafter.candidate_selector
+    for w in (sel.predecessor_codebook, sel.successor_codebook):
+        w.copy_(torch.randn(w.shape, generator=g))
