@@ -13,7 +13,8 @@ worker owns one model step:
                      (greedy: rule + the step's outputs in one launch on the GPU, kernels/greedy_accept.py)
              commit  write context K/V of the k+1 verified rows, INSIDE the verify forward (context_commit.py:
                      captured in the verify CUDA graphs, no launches of its own); rows past commit_len are
-                     rewritten by the next step's block, which starts at the new length; publish new lengths
+                     rewritten by the next step's block, which starts at the new length; a hybrid target's
+                     recurrent state := its state after the committed tokens (recurrent_state.py); publish new lengths
 
 A step with k = 0 is a plain decode step of the target that still captures its hidden state and writes the
 drafter's context K/V, so speculation can resume at any later step without re-prefilling anything. A step with
