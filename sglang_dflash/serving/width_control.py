@@ -353,8 +353,8 @@ def _share_due(steps: int) -> bool:
 class TableShare:
     """Tensor parallelism: rank 0's step-time table for every rank, over the TP group's CPU (gloo) group.
 
-    ``broadcast(obj, src)`` is ``torch.distributed.broadcast_object_list`` on that group in the server; tests give a
-    stand-in. Every rank must call it at the same step (``_share_due``)."""
+    ``broadcast(obj)`` returns rank 0's object on every rank (``torch.distributed.broadcast_object_list`` on that
+    group in the server; tests give a stand-in). Every rank must call it at the same step (``_share_due``)."""
 
     def __init__(self, rank: int, broadcast):
         self.rank, self._broadcast = rank, broadcast
