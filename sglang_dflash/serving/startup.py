@@ -171,6 +171,10 @@ def check_tensor_parallel(cfg: DFlashConfig, server_args) -> None:
         rank_heads(cfg, int(server_args.tp_size))
     except ValueError as e:
         raise DFlashStartupError(str(e)) from None
+    if cfg.is_dflash2 and int(server_args.tp_size) > 1:
+        raise DFlashStartupError(f"--tp-size {server_args.tp_size} with a DFlash2 drafter ({cfg.architecture}): its "
+                                 "candidate selector needs the whole vocabulary's draft logits on one rank, and the "
+                                 "sglang-dflash worker does not gather them yet. Fix: --tp-size 1, or a DFlash drafter")
 
 
 def handle_dflash_args(original, server_args) -> None:
