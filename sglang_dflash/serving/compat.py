@@ -125,14 +125,16 @@ def target_hf_config(server_args):
 
 
 def prefill_graph_config():
-    """This process's prefill CUDA-graph settings (backend, bs, max_bs), or None if SGLang keeps none."""
-    from sglang.srt.server_args import get_global_server_args
+    """This process's prefill CUDA-graph settings (backend, bs, max_bs), or None where SGLang published none (a
+    model built outside a server: tests). Both releases keep the resolved config in the "exec" namespace (the
+    worker reads its decode half there too)."""
+    from sglang.srt.runtime_context import get_exec
 
     try:
-        args = get_global_server_args()
-    except ValueError:  # "Global server args is not set yet": a model built outside a server (tests), no graphs
+        graphs = get_exec().graph.cuda_graph_config
+    except ValueError:  # "config namespace 'exec' not published": no server, no graphs
         return None
-    return getattr(getattr(args, "cuda_graph_config", None), "prefill", None)
+    return getattr(graphs, "prefill", None)
 
 
 def target_context_len(server_args) -> int:
