@@ -92,7 +92,7 @@ def run_accept(rows, drafts, logits, monkeypatch, bug=None):
     verify_ids = torch.cat([torch.zeros(n, 1, dtype=drafts.dtype), drafts], dim=1)  # [bonus, drafts]
     prefix = torch.arange(n) + 10
     commit, tokens, next_ids, bonus, accept_lens, new_lens = worker.DFlashWorker._accept(
-        me, SimpleNamespace(sampling_info=sampling_info(rows)), verify_ids, logits, prefix)
+        me, SimpleNamespace(sampling_info=sampling_info(rows)), verify_ids, logits, prefix, None)
     # the step's outputs follow from (commit, tokens) by their one definition, whichever path made them
     for got, want in zip((next_ids, bonus, accept_lens, new_lens), commit_outputs(commit, tokens, prefix)):
         assert got.dtype == want.dtype and torch.equal(got, want)
