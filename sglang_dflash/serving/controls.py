@@ -10,8 +10,9 @@ Penalty state lives here, one row per request slot of SGLang's req_to_token pool
 not in SGLang's penalizer orchestrator: SGLang's DFLASH scheduling path never feeds output tokens to the
 orchestrator (DFlashDraftInputV2.prepare_for_decode does not cumulate them), and the orchestrator lives on the
 scheduler's stream, where the worker's committed tokens exist only after a host sync. A slot row is reset when its
-request is prefilled (SGLang also starts a fresh orchestrator at every prefill, retraction included), advanced over
-the prefill's token, then over each step's committed tokens, all on the worker's stream without host sync. The
+request is prefilled, to the state after the output the request already has (none, or a retracted request's earlier
+output: SGLang's own orchestrator starts from zero there, so a plain SGLang server forgets it), advanced over the
+prefill's token, then over each step's committed tokens, all on the worker's stream without host sync. The
 tables are allocated at the first prefill that uses a penalty or min_new_tokens; SGLang's own host flag
 (``sampling_info.acc_additive_penalties`` is set whenever its orchestrator says a penalizer is required for the
 running batch) decides per step whether any row needs them, so batches without controls pay nothing.
@@ -109,13 +110,24 @@ class SamplingControls:
         if pairs:
             stop[torch.tensor(pairs).T.unbind()] = True
         t.stop[idx] = stop.to(dev)
-        # the prefill's token is the first output token (a non-final chunk's placeholder is counted too, and reset
+        freq_acc = torch.zeros((n, self.vocab), dtype=torch.float32, device=dev)
+        seen = torch.zeros((n, self.vocab), dtype=torch.bool, device=dev)
+        # A retracted request is prefilled again with its earlier output in its context (SGLang keeps output_ids):
+        # its state counts those tokens, as plain decoding without the retraction did. (SGLang's own penalizers
+        # start from zero there, so a plain server forgets them when it retracts; found by benchmarks/soak.py.)
+        prior = [r.output_ids for r in reqs]
+        if any(len(o) for o in prior):
+            rows = torch.tensor([i for i, o in enumerate(prior) for _ in o], dtype=torch.int64).to(dev)
+            toks = torch.tensor([x for o in prior for x in o], dtype=torch.int64).clamp(0, self.vocab - 1).to(dev)
+            freq_acc.index_put_((rows, toks), t.frequency[idx][rows], accumulate=True)
+            seen[rows, toks] = True
+        # the prefill's token is the next output token (a non-final chunk's placeholder is counted too, and reset
         # again when the request's last chunk is prefilled)
         first = first_tokens.to(torch.int64).clamp(0, self.vocab - 1)[:, None]
-        freq_acc = torch.zeros((n, self.vocab), dtype=torch.float32, device=dev)
         freq_acc.scatter_add_(1, first, t.frequency[idx][:, None])
-        seen = torch.zeros((n, self.vocab), dtype=torch.bool, device=dev).scatter_(1, first, True)
-        t.store(idx, freq_acc, seen, torch.ones((n,), dtype=torch.int64, device=dev))
+        seen.scatter_(1, first, True)
+        count = torch.tensor([len(o) + 1 for o in prior], dtype=torch.int64).to(dev)
+        t.store(idx, freq_acc, seen, count)
 
     # ------------------------------------------------------------------------------------------ decode step
     @staticmethod
