@@ -161,3 +161,46 @@ def test_prefill_of_a_retracted_request_counts_its_earlier_output():
         assert torch.equal(rows.freq_acc[i], plain.freq) and torch.equal(rows.seen[i], plain.seen), i
         assert int(rows.out_len[i]) == plain.length == len(out) + 1
         assert torch.equal(processed[i, 0], plain.process(logits[i, 0])), i
+
+
+def test_prefill_token_of_a_retracted_request_is_sampled_under_its_earlier_output():
+    """SGLang samples a prefill's token with its orchestrator's penalty tensors, which start a retracted request
+    from zero: before_prefill replaces that request's rows (on a copy of the sampling info) with the penalties of its
+    earlier output, so (logits + additive) scaled = plain decoding's processed logits at that point; other rows and
+    the scheduler's own sampling info are untouched. Without it the soak saw the first token after a retraction
+    differ from plain decoding."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from sglang_dflash.serving.controls import SamplingControls
+
+    @dataclasses.dataclass
+    class Info:  # the fields of SGLang's SamplingBatchInfo that the prefill's penalties live in (overlap mode)
+        penalizer_orchestrator: object
+        acc_additive_penalties: torch.Tensor
+        acc_scaling_penalties: torch.Tensor
+
+    def req(f, p, r, m, out):
+        return SimpleNamespace(output_ids=list(out), tokenizer=None, sampling_params=SimpleNamespace(
+            frequency_penalty=f, presence_penalty=p, repetition_penalty=r, min_new_tokens=m, stop_token_ids={3}))
+
+    earlier = [[5, 9, 5, 5, 2], [], [3, 7]]
+    reqs = [req(0.7, 0.25, 1.3, 9, earlier[0]), req(0.5, 0.0, 1.0, 2, earlier[1]), req(0.0, 0.0, 1.0, 0, earlier[2])]
+    sglang_add, sglang_scale = torch.randn(3, V), torch.rand(3, V) + 0.5  # stand-ins for SGLang's fresh-state rows
+    info = Info(None, sglang_add.clone(), sglang_scale.clone())
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices=torch.tensor([6, 1, 3]), sampling_info=info)
+    SamplingControls(slots=8, vocab=V, device="cpu").before_prefill(batch)
+    assert batch.sampling_info is not info and torch.equal(info.acc_additive_penalties, sglang_add)
+    got = batch.sampling_info
+    # the request without penalties and the fresh one keep SGLang's rows
+    assert torch.equal(got.acc_additive_penalties[1:], sglang_add[1:])
+    assert torch.equal(got.acc_scaling_penalties[1:], sglang_scale[1:])
+    sp = reqs[0].sampling_params
+    plain = PlainState(sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty, sp.min_new_tokens, {3})
+    for t in earlier[0]:
+        plain.cumulate(t)
+    logits = torch.randn(V) * 3
+    out = logits + got.acc_additive_penalties[0]
+    scale = got.acc_scaling_penalties[0]
+    assert torch.equal(torch.where(out < 0, out * scale, out / scale), plain.process(logits))
+    assert torch.isinf(got.acc_additive_penalties[0, 3])  # min_new_tokens 9 still holds the stop id back
