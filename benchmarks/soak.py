@@ -329,9 +329,11 @@ async def _poll(url: str, until: asyncio.Event, every_s: float, health: list, po
     loop = asyncio.get_running_loop()
     while not until.is_set():
         t = round(time.perf_counter() - t0, 2)
-        ok = await loop.run_in_executor(None, _healthy, url)
+        # SGLang's /health answers 503 when nothing came out of the scheduler for 20 s (HEALTH_CHECK_TIMEOUT): wait
+        # longer than that, so a failure here is the server's own verdict (a stall, or a dead scheduler)
+        ok, p = await asyncio.gather(loop.run_in_executor(None, _healthy, url, "/health", 30.0),
+                                     loop.run_in_executor(None, pool, url))
         health.append((t, ok))
-        p = await loop.run_in_executor(None, pool, url)
         if p is not None:
             pools.append((t, p.get("num_used_tokens"), p.get("num_running_reqs"), p.get("num_waiting_reqs")))
         try:
