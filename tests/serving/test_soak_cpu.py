@@ -12,10 +12,13 @@ failed, every fault was sent and survived, /health never failed and a real gener
 back to its idle size (no request running or waiting, no token held; SGLang's own idle check would also have
 stopped the scheduler on a leak), the scheduler retracted and verify steps committed several tokens.
 
-Not in this mix: logprob requests. On this server a retracted request with return_logprob loses the output logprob
-of the token its re-prefill produces (N - 1 logprobs for N tokens, the first after the retraction missing; seen by
-the soak, not explained yet); benchmarks/soak.py checks them wherever it runs, and test_controls_cpu.py checks
-logprob values without retraction. Grammar requests need a grammar backend on the baseline too (it runs none).
+Not in this mix: logprob requests. A non-streamed request with return_logprob that is retracted before its first
+prefill result is processed loses its first output logprob (N - 1 logprobs for N tokens; found by the soak): SGLang
+0.5.17's output streamer (scheduler_components/output_streamer.py, `accept`) emits such a request with no output yet
+(0 % force_stream_interval == 0) and moves its logprob offset to max(0, 1) = 1, so logprob 0 is never sent. Plain
+decoding has the same bug but rarely retracts that early; a DFLASH request reserves 2 B slots per step, so here it
+happens within seconds. benchmarks/soak.py checks logprobs wherever it runs; test_controls_cpu.py checks their
+values without retraction. Grammar requests need a grammar backend on the baseline too (it runs none).
 
 Then, in the same module: 16 streams in flight, SIGTERM to the launcher. SGLang 0.5.17 drains (every request in
 flight runs to its end, "Gracefully exiting..." every 5 s), asks the schedulers to exit, then SIGKILLs its own
