@@ -46,7 +46,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -55,6 +54,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from .client import sse_chunks
 from sglang_dflash.testing.greedy_check import Divergence, first_diff, judge_greedy
 
 # kind -> weight of the default mix (a kind the server cannot serve, e.g. grammar without a backend, is dropped)
@@ -181,14 +181,7 @@ async def _native(session, url: str, spec: dict, timeout_s: float) -> dict:
             if not spec["stream"]:
                 last = orjson.loads(await r.read())
             else:
-                async for raw in r.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        break
-                    chunk = orjson.loads(payload)
+                async for chunk in sse_chunks(r):
                     if "error" in chunk:
                         return _fail(rec, "stream error", str(chunk["error"]))
                     rec["chunks"] += 1
