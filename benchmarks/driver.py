@@ -21,7 +21,9 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   a fresh machine ran 20-30% slow throughout (benchmarks/results/smollm2-run8-h100). A ratio between methods smaller
   than that drift is not a result.
 
-Every server gets identical arguments (``--common-args``, plus the speculative ones for builtin/ours), is started
+Every server gets identical arguments (``--common-args``, plus the speculative ones for builtin/ours), or, with
+``--preset NAME``, the launch preset's own command for the method (``launch/NAME.sh --dry-run --method M``, with
+``--dummy`` its ``--dummy DIR``: exactly what a user of the preset runs), is started
 in its own session (setsid) with its PID recorded, polled on ``/health`` for at most ``--wait-s`` seconds while
 checking that the PID is alive, and stopped by signalling its process group (TERM, then KILL after
 ``--stop-wait-s``). Logs: ``OUT/<method>.server.log``.
@@ -75,8 +77,62 @@ def method_variant(method: str) -> tuple[str, dict]:
                      f"optionally followed by {RERUN}")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PresetRefused(RuntimeError):
+    """The launch preset will not build a command for this method (e.g. its BUILTIN_OK=0); the message is its own."""
+
+
+def preset_script(name: str) -> Path:
+    """launch/NAME.sh of this checkout (or NAME itself when it is a path to a script)."""
+    path = Path(name) if name.endswith(".sh") else ROOT / "launch" / f"{name}.sh"
+    if not path.is_file():
+        raise SystemExit(f"--preset {name}: no launch script {path}")
+    return path
+
+
+def preset_command(script: Path, method: str, *, port: int, host: str, python: str, dummy: str | None = None,
+                   env: dict | None = None) -> tuple[list[str], dict[str, str | None]]:
+    """The preset's own server command for ``method`` (none / builtin / ours), read from its ``--dry-run`` line
+    ``env [VAR=V | -u VAR]... PYTHON -m sglang.launch_server ARGS``: (argv, environment changes, None = unset)."""
+    cmd = ["bash", str(script), "--dry-run", "--method", method, "--port", str(port), "--host", host]
+    cmd += ["--dummy", dummy] if dummy else []
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {}),
+                                                                              "PYTHON": python})
+    if r.returncode != 0:
+        raise PresetRefused(r.stderr.strip() or f"{script.name} --method {method}: exit {r.returncode}")
+    toks = shlex.split(r.stdout)
+    if toks[:1] != ["env"]:
+        raise ValueError(f"{script.name} --dry-run printed no `env ...` command: {r.stdout!r}")
+    changes, i = {}, 1
+    while i < len(toks) and (toks[i] == "-u" or "=" in toks[i]):
+        if toks[i] == "-u":
+            changes[toks[i + 1]] = None
+            i += 2
+        else:
+            var, _, val = toks[i].partition("=")
+            changes[var] = val
+            i += 1
+    return toks[i:], changes
+
+
+def _preset(args, method: str) -> tuple[list[str], dict[str, str | None]]:
+    script = preset_script(args.preset)
+    dummy = None
+    if args.dummy:  # the preset writes its shape only when it runs the server itself, not on --dry-run
+        dummy = args.shape_dir or f"/tmp/shape-{script.stem}"
+        if not (Path(dummy) / "target" / "config.json").exists():
+            subprocess.run([args.python, "-m", "sglang_dflash.targets.shapes", "write", script.stem, dummy],
+                           check=True, timeout=300)
+    env = dict(kv.partition("=")[::2] for kv in args.preset_env or [])
+    return preset_command(script, method, port=args.port, host=args.host, python=args.python, dummy=dummy, env=env)
+
+
 def server_argv(args, method: str) -> list[str]:
     method = method_variant(method)[0]
+    if args.preset:
+        return _preset(args, method)[0]
     argv = launch_argv(args.target, args.port, args.host, shlex.split(args.common_args), args.python)
     if args.dummy:
         argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
@@ -102,6 +158,12 @@ def server_env(args, method: str) -> dict:
         for kv in args.ours_env or []:
             k, _, v = kv.partition("=")
             env[k] = v
+    if args.preset:
+        for k, v in _preset(args, method)[1].items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
     return env
 
 
@@ -131,8 +193,12 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
             write_skip(out, method, why)
             return
         print(f"[driver] ours: plugin found ({why})", flush=True)
-    argv = server_argv(args, method)
-    env = server_env(args, method)
+    try:
+        argv = server_argv(args, method)
+        env = server_env(args, method)
+    except PresetRefused as e:
+        write_skip(out, method, f"the preset refuses it: {e}")
+        return
     var = args.worker_env.partition("=")[0]
     shown_env = f"{var}={env[var]} " if var in env else (f"(unset {var}) " if base == "ours" else "")
     shown_env += "".join(f"{k}={v} " for k, v in method_variant(method)[1].items())
@@ -145,10 +211,11 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
         srv.start()
         print(f"[driver] {method}: server pid {srv.pid}", flush=True)
         try:
-            print(f"[driver] {method}: healthy after {srv.wait_healthy(args.wait_s, poll_s=2.0):.0f} s", flush=True)
+            healthy_s = round(srv.wait_healthy(args.wait_s, poll_s=2.0), 1)
+            print(f"[driver] {method}: healthy after {healthy_s:.0f} s", flush=True)
         except (RuntimeError, TimeoutError) as e:  # the message ends with the server's log tail
             print(f"[driver] {method}: {str(e).splitlines()[0]}", flush=True)
-            write_skip(out, method, str(e), {"server_command": cmd})
+            write_skip(out, method, str(e), {"server_command": cmd, "start_s": round(time.time() - t0, 1)})
             return
         if base == "ours" and not re.search(args.ours_log_marker, srv.log_path.read_text(errors="replace")):
             write_skip(out, method, f"server came up but its log has no line matching --ours-log-marker "
@@ -157,8 +224,8 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
             return
         bargs = bench.parser().parse_args(bench_argv + ["--url", srv.url, "--method", method, "--out", str(out)])
         result = bench.run(bargs)
-        result["driver"] = dict(driver_info, server_command=cmd, server_pid=srv.pid,
-                                server_ready_s=round(time.time() - t0, 1))
+        result["driver"] = dict(driver_info, server_command=cmd, server_pid=srv.pid, healthy_s=healthy_s,
+                                server_ready_s=round(time.time() - t0, 1))  # (start to the end of the bench)
         (out / f"{method}.json").write_text(json.dumps(result, indent=1) + "\n")
     finally:
         srv.stop(args.stop_wait_s)
@@ -168,7 +235,7 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.driver", description=__doc__.split("\n\n")[0],
                                 epilog="arguments after -- go to benchmarks.bench (not --url/--method/--out)")
-    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--target", default=None, help="target model directory (required unless --preset)")
     p.add_argument("--draft", default=None, help="DFlash drafter directory (builtin and ours)")
     p.add_argument("--methods", default="none,builtin,ours")
     p.add_argument("--out", required=True)
@@ -180,6 +247,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dummy", action="store_true",
                    help="random weights: --load-format dummy (+ draft), --skip-tokenizer-init; tau is then a cost "
                         "measurement only")
+    p.add_argument("--preset", default=None,
+                   help="launch/NAME.sh: each server runs the preset's own command for its method (its --dry-run "
+                        "line; --target, --draft, --common-args and --spec-args are then unused)")
+    p.add_argument("--preset-env", action="append", help="VAR=VALUE for the preset (e.g. ATTN_BACKEND=...)")
+    p.add_argument("--shape-dir", default=None,
+                   help="with --preset --dummy: the preset's --dummy DIR (default /tmp/shape-NAME; written if absent)")
     p.add_argument("--worker-env", default=f"{WORKER_ENV}=builtin",
                    help="VAR=VALUE that makes our plugin select SGLang's builtin worker; VAR is unset for ours")
     p.add_argument("--ours-env", action="append", help="extra VAR=VALUE for the ours server (repeatable)")
@@ -200,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, bench_argv = argv[:i], argv[i + 1:]
     args = parser().parse_args(argv)
+    if not (args.target or args.preset):
+        raise SystemExit("--target or --preset is required")
     for bad in ("--url", "--method", "--out"):
         if bad in bench_argv:
             raise SystemExit(f"{bad} after -- is set by the driver; remove it")
@@ -223,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         run_method(args, m, bench_argv, out, driver_info)
     (out / "driver.json").write_text(json.dumps(driver_info, indent=1) + "\n")
-    report.main([str(out), "--title", args.title or f"{Path(args.target).name}: " + ", ".join(methods)])
+    name = args.preset or Path(args.target).name
+    report.main([str(out), "--title", args.title or f"{name}: " + ", ".join(methods)])
     return 0
 
 

@@ -6,6 +6,10 @@
 #   tp2     driver, Qwen3-8B shape (random weights), --tp-size 2 on two GPUs: TP2_METHODS (none, ours-fixed, ours,
 #           builtin), greedy, c = 1, 8, 32, 64; the report's cross-check compares every greedy output with none's
 #                                                                                                 -> /tmp/job/tp2
+#   tp2gemma  the same for the Gemma-4-31B shape at --tp-size 2 (61 GB of bf16 weights over two GPUs), c = 1, 8, 32, 64
+#                                                                                           -> /tmp/job/tp2gemma
+#   tp2eq   greedy equality at --tp-size 2 on many prompts: TP2EQ_SHAPES (qwen3-8b,gemma-4-31b-it) x none / ours /
+#           ours-fixed, 256 prompts at c = 1 and at c = 32, 64 new tokens each            -> /tmp/job/tp2eq-<shape>
 #   hybrid  driver, Qwen3.5-35B-A3B shape (hybrid Gated DeltaNet + attention, MoE; random weights) on one GPU with
 #           SGLang's extra-buffer mamba radix cache and its default prefill CUDA graphs (the path that crashed):
 #           HYBRID_METHODS (none, ours-fixed, ours, builtin: SGLang 0.5.17's builtin refuses this class at start,
@@ -34,6 +38,9 @@ COMMON_HYBRID="--attention-backend triton --sampling-backend pytorch --grammar-b
 COMMON_8B="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.8
  --cuda-graph-max-bs-decode 32 --max-running-requests 32 --trust-remote-code --disable-prefill-cuda-graph
  --cuda-graph-bs-decode 1 2 4 8 16 32"
+COMMON_TP2_GEMMA="--attention-backend triton --sampling-backend pytorch --grammar-backend none
+ --mem-fraction-static 0.85 --cuda-graph-max-bs-decode 64 --max-running-requests 64 --trust-remote-code
+ --disable-prefill-cuda-graph --cuda-graph-bs-decode 1 2 4 8 16 32 64 --tp-size 2"
 COMMON_GPTOSS="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.85
  --cuda-graph-max-bs-decode 32 --max-running-requests 32 --trust-remote-code --disable-prefill-cuda-graph
  --cuda-graph-bs-decode 1 2 4 8 16 32"
@@ -47,6 +54,20 @@ for phase in $(echo "${PHASES:-tp2}" | tr , ' '); do
   echo "=== $phase $(date -u +%T)"
   case $phase in
     tp2) cost $JOB/tp2 qwen3-8b "${TP2_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32,64 "$COMMON_TP2" 151000 ;;
+    tp2gemma) cost $JOB/tp2gemma gemma-4-31b-it "${TP2_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32,64 \
+                "$COMMON_TP2_GEMMA" 262000 ;;
+    tp2eq)
+      for shape in $(echo "${TP2EQ_SHAPES:-qwen3-8b,gemma-4-31b-it}" | tr , ' '); do
+        common=$COMMON_TP2; vocab=151000
+        [ "$shape" = gemma-4-31b-it ] && { common=$COMMON_TP2_GEMMA; vocab=262000; }
+        [ -d "/tmp/shape-$shape" ] || python3 -m sglang_dflash.targets.shapes write "$shape" "/tmp/shape-$shape"
+        python3 -m benchmarks.driver --target "/tmp/shape-$shape/target" --draft "/tmp/shape-$shape/draft" --dummy \
+          --methods none,ours,ours-fixed --out "$JOB/tp2eq-$shape" --wait-s 400 --common-args "$common" \
+          --title "$shape at --tp-size 2: greedy equality" -- --datasets random --temperatures 0 --concurrency 1,32 \
+          --max-new-tokens 64 --ignore-eos --random-input-len 128 --random-vocab $vocab --rounds 1 --min-convs 256 \
+          --no-progress
+        python3 -m benchmarks.report "$JOB/tp2eq-$shape" --title "$shape at --tp-size 2: greedy equality" >/dev/null
+      done ;;
     hybrid) cost $JOB/hybrid qwen3.5-35b-a3b "${HYBRID_METHODS:-none,ours-fixed,ours,builtin}" 1,8,32 \
               "$COMMON_HYBRID" 248000 ;;
     fa4)
@@ -57,7 +78,7 @@ for phase in $(echo "${PHASES:-tp2}" | tr , ' '); do
     gptoss) cost $JOB/gptoss gpt-oss-20b "${GPTOSS_METHODS:-none,ours-fixed,builtin}" 1,8,32 "$COMMON_GPTOSS" 200000 ;;
   esac
   touch "$JOB/$phase.done"
-  done_dirs=$(cd $JOB && ls -d tp2 hybrid gptoss fa4-triton fa4 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d tp2 tp2gemma tp2eq-* hybrid gptoss fa4-triton fa4 2>/dev/null)
   tar czf $JOB/results.tar.gz -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

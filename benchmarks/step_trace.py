@@ -1,11 +1,14 @@
 """Summarise a decode-step trace (SGLANG_DFLASH_STEP_TRACE=FILE on our server): what each width's steps cost.
 
-    python -m benchmarks.step_trace trace.jsonl [--json out.json]
+    python -m benchmarks.step_trace trace.jsonl [--json out.json] [--costs table.json]
 
 Per (k, batch-size bucket): steps, median cycle of every step with one (no prefill inside), median of the cycles the
 width controller attributed to the width (timed), the worker's own host time, and the table's last value. The
 difference between "all cycles" and "timed" shows what the attribution rules leave out; the difference between the
 table and the plain server's TPOT shows whether the policy prices k = 0 right.
+
+--costs writes the medians of the timed cycles as a fixed step-time table {k: {bucket: seconds}} for
+SGLANG_DFLASH_STEP_COSTS: benchmark runs that load it make the same width choices from the same acceptance.
 """
 
 from __future__ import annotations
@@ -41,10 +44,21 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def step_costs(table: list[dict]) -> dict[str, dict[str, float]]:
+    """{k: {bucket: seconds}} from the summary's timed medians (all cycles where a width was never timed)."""
+    out: dict[str, dict[str, float]] = {}
+    for t in table:
+        ms = t["timed_ms"] if t["timed_ms"] is not None else t["cycle_ms_all"]
+        if ms:
+            out.setdefault(str(t["k"]), {})[str(t["bucket"])] = ms / 1e3
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--json", help="write the summary here too")
+    ap.add_argument("--costs", help="write a fixed step-time table for SGLANG_DFLASH_STEP_COSTS here")
     args = ap.parse_args(argv)
     with open(args.trace) as f:  # stdlib json: the GPU machine's interpreter has no orjson
         rows = [json.loads(line) for line in f if line.strip()]
@@ -58,6 +72,9 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=2)
+    if args.costs:
+        with open(args.costs, "w") as f:
+            json.dump(step_costs(table), f, indent=2)
 
 
 if __name__ == "__main__":

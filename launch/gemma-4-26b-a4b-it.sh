@@ -11,6 +11,6 @@ COMMON_ARGS=(--attention-backend triton --sampling-backend pytorch --mem-fractio
              --max-running-requests 128 --trust-remote-code)
 SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-fa4}")
-NOTES=("fa4 draft attention is the published recipe; not run here (the devstack has no fa4 build tested);"
-       "DRAFT_ATTN_BACKEND=triton is the fallback")
+NOTES=("fa4 draft attention is the published recipe; it served on an H100 with the Qwen3-8B shape"
+       "(benchmarks/results/fa4-draft-h100; the CUTLASS DSL must be installed); DRAFT_ATTN_BACKEND=triton is the fallback")
 launch_main "$@"

@@ -7,8 +7,8 @@
 For each script it runs `--dry-run` for each method, then parses the printed launch_server arguments with
 `sglang.srt.server_args.ServerArgs.add_cli_args` (sglang 0.5.17): unknown flags, bad choices and missing values fail.
 It also checks the method contract: `none` has no speculative flags, `builtin` sets the worker switch, `ours` unsets
-it, and both speculative methods run DFLASH with a drafter. This validates the flags, not the runtime: only the
-Qwen3-8B preset has run on a GPU (benchmarks/results/).
+it, and both speculative methods run DFLASH with a drafter. This validates the flags, not the runtime: the runtime
+check is the seed smoke job (benchmarks/gpu_seed_smoke.sh), and what ran on a GPU is the README's Models table.
 """
 
 from __future__ import annotations

@@ -191,22 +191,13 @@ class DFlashConfig:
         SGLang's launcher runs our startup checks, and each scheduler process builds our worker and then the draft
         model; all of them ask for the config of --speculative-draft-model-path. Memoised by the resolved file, its
         modification time and size, so a drafter rewritten in place (training writes into the same directory) is
-        read again, and everyone else gets the one object. Treat it as read-only (``raw`` is a plain dict).
-
-        Serving's entry, so it refuses DFlash2 drafters, which our worker does not draft with yet (it would take the
-        argmax and skip the selector): at launch, before any model loads, with the way out. Remove the refusal with
-        the worker's DFlash2 wiring (serving/draft_model2.py, issue #36)."""
+        read again, and everyone else gets the one object. Treat it as read-only (``raw`` is a plain dict)."""
         file = _config_file(path)
         stat = file.stat()
         key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size)
         cfg = _LOADED.get(key)
         if cfg is None:
             cfg = _LOADED[key] = cls.from_pretrained(file)
-        if cfg.is_dflash2:
-            raise DFlashConfigError("architectures", [cfg.architecture], "our SGLang worker does not serve DFlash2 "
-                                    "drafters yet (the reference engine decodes them)",
-                                    "serve it with SGLANG_DFLASH_WORKER=builtin on SGLang 0.5.23, or decode with "
-                                    "sglang_dflash.reference.ReferenceEngine")
         return cfg
 
     def to_dict(self, **changes: Any) -> dict[str, Any]:

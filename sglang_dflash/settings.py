@@ -32,6 +32,7 @@ WIDTHS = "SGLANG_DFLASH_WIDTHS"
 K_SCHEDULE = "SGLANG_DFLASH_K_SCHEDULE"
 LOG_EVERY_S = "SGLANG_DFLASH_LOG_EVERY_S"
 STEP_TRACE = "SGLANG_DFLASH_STEP_TRACE"
+STEP_COSTS = "SGLANG_DFLASH_STEP_COSTS"
 CACHE = "SGLANG_DFLASH_CACHE"
 
 WORKERS = ("ours", "builtin")
@@ -149,6 +150,9 @@ SWITCHES: tuple[Switch, ...] = (
            "period of the adaptive policy's summary line in the server log"),
     Switch(STEP_TRACE, "step_trace", _text, "unset", "file path",
            "one JSON line per decode step, for benchmarks/step_trace.py ({pid} becomes the scheduler's process id)"),
+    Switch(STEP_COSTS, "step_costs", _text, "unset", "JSON file",
+           "benchmarks: a fixed step-time table {k: {batch size: seconds}} for the adaptive policy (no exploration, "
+           "no timing), so its choices follow the acceptance alone and repeat from run to run"),
     Switch(CACHE, "cache", _directory(Path.home() / ".cache" / "sglang_dflash"), "~/.cache/sglang_dflash",
            "directory", "where converted targets (SmolLM2, Gemma-3), their GGUF parts and the stub libcuda are kept"),
 )
@@ -174,6 +178,7 @@ class Settings:
     k_schedule: tuple[int, ...] | None
     log_every_s: float
     step_trace: str | None
+    step_costs: str | None
     cache: Path
 
     @classmethod

@@ -46,15 +46,12 @@ def test_load_parses_once_and_again_after_a_rewrite(tmp_path, parses):
     assert DFlashConfig.load(draft).block_size == 8 and len(parses) == 2
 
 
-def test_serving_refuses_dflash2_drafters_until_the_worker_drafts_with_them(tmp_path):
-    """DFlash2 configs parse (the reference engine decodes them), but serving's loader refuses them at launch."""
-    from sglang_dflash.config import DFlashConfigError
+def test_serving_loads_dflash2_drafters(tmp_path):
+    """DFlash2 configs load for serving as for the reference engine (the worker drafts with their selector)."""
     from sglang_dflash.targets.tiny import TINY_DFLASH2
 
     DFlashConfig.from_dict(tiny_drafter_config(TARGET.config, **TINY_DFLASH2)).save(tmp_path / "draft")
-    assert DFlashConfig.from_pretrained(tmp_path / "draft").is_dflash2
-    with pytest.raises(DFlashConfigError, match="does not serve DFlash2.*SGLANG_DFLASH_WORKER=builtin"):
-        DFlashConfig.load(tmp_path / "draft")
+    assert DFlashConfig.load(tmp_path / "draft").is_dflash2
 
 
 def test_startup_worker_and_draft_model_share_one_parse(tmp_path, parses):

@@ -193,12 +193,13 @@ def test_block_forward_and_draft_logits_equal_the_plain_drafter(pair, monkeypatc
     monkeypatch.setattr("sglang.srt.layers.linear.get_tp_group", lambda: SimpleNamespace(world_size=1))
     _, target, drafter, model = pair
     served, plain = served_and_plain(model, target, drafter)
+    _, block, _, _ = inputs(target, drafter)
     assert torch.allclose(served, plain, **TOL), (served - plain).abs().max()
     lm_head = target.get_output_embeddings().weight
     served_logits, plain_logits = model.draft_logits(served[1:]), drafter.draft_logits(plain[1:], lm_head)
     assert torch.allclose(served_logits, plain_logits, **TOL)
     assert torch.equal(served_logits.argmax(-1), plain_logits.argmax(-1))
-    assert torch.equal(model.greedy_drafts(served[1:]), plain_logits.argmax(-1))
+    assert torch.equal(model.greedy_drafts(served[1:], block[:1]), plain_logits.argmax(-1))
 
 
 @in_cpu_engine

@@ -8,6 +8,7 @@
   json_schema example a JSON object that the schema validates. One server serves these checks; it is stopped (its
   process group, by PID) at the end of the module;
 - the results table is what `benchmarks/readme_results.py` computes from the committed JSON, and the plot exists;
+  the Models table is what `benchmarks/readme_models.py` computes from the committed results;
 - the wheel block: run as written in a copy of the checkout with a fresh virtual environment (it sees this
   environment's packages through a .pth file, so nothing but the build backend is downloaded); the wheel and the sdist
   pass `twine check`; the plugin starts from the installed wheel (entry point, `sglang_dflash.kernels`, the shipped
@@ -88,6 +89,16 @@ def test_results_table_and_plot():
         "the README's results table differs from `python -m benchmarks.readme_results`: paste its table"
     assert "![" in section("Results") and "(docs/results.png)" in section("Results")
     assert readme_results.PLOT.is_file() and readme_results.PLOT.stat().st_size > 10_000
+
+
+def test_models_table():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import readme_models
+    finally:
+        sys.path.remove(str(ROOT))
+    assert readme_models.table() in section("Models"), \
+        "the README's Models table differs from `python -m benchmarks.readme_models`: paste its table"
 
 
 def test_readme_links_exist():

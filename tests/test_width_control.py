@@ -351,3 +351,44 @@ def test_tp_share_runs_at_agreed_steps_only():
     assert due[:3] == [0, 16, 32] and all(s % width_control.SHARE_EVERY == 0 for s in due
                                           if s >= width_control.SHARE_FIRST_UNTIL)
     assert len(due) < 4096 / 30
+
+
+# ------------------------------------------------------------------------- a fixed table: reproducible choices
+def _fixed_table(tmp_path, ks=(0, 3, 7, 15)):
+    import json
+
+    table = {k: {bs: _cost(bs, k) for bs in (1, 8, 32)} for k in ks}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({str(k): {str(bs): t for bs, t in v.items()} for k, v in table.items()}))
+    return str(path)
+
+
+def test_a_fixed_step_time_table_makes_the_choices_repeat_whatever_the_clock(tmp_path):
+    """SGLANG_DFLASH_STEP_COSTS: no exploration and no timing, so two runs on clocks that disagree (and a run on
+    either) choose the same k at every step; without it the same two runs choose differently."""
+    env = {width_control.ENV_STEP_COSTS: _fixed_table(tmp_path)}
+    jitter = np.random.default_rng(3)
+    clocks = [_cost, lambda bs, k: _cost(bs, k) * (1.5 if k == 0 else 0.6) * jitter.uniform(0.7, 1.4)]
+    schedule = [1] * 200 + [8] * 200 + [32] * 200
+    runs = []
+    for clock in clocks:
+        ctl = WidthController(WidthControls.from_env(BLOCK, env=env), BLOCK)
+        ctl._clock = FakeClock()
+        assert "fixed step-time table" in ctl.controls.describe()
+        runs.append(_lockstep([ctl], schedule, [clock], accept_rate=0.6)[0])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+    free = []
+    for clock in clocks:
+        ctl = WidthController(WidthControls.from_env(BLOCK, env={}), BLOCK)
+        ctl._clock = FakeClock()
+        free.append(_lockstep([ctl], schedule, [clock], accept_rate=0.6)[0])
+    assert free[0] != free[1]
+
+
+def test_a_fixed_table_must_cover_every_width(tmp_path):
+    env = {width_control.ENV_STEP_COSTS: _fixed_table(tmp_path, ks=(0, 15))}
+    with pytest.raises(ValueError, match=r"no step time for widths \[3, 7\].*Fix"):
+        WidthControls.from_env(BLOCK, env=env)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable JSON table.*Fix"):
+        WidthControls.from_env(BLOCK, env={width_control.ENV_STEP_COSTS: str(tmp_path / "bad.json")})

@@ -17,6 +17,10 @@ What differs between 0.5.17 and 0.5.23, and where each difference is handled:
   ``build_draft_tp_worker``; 0.5.23 passes neither. -> :func:`draft_worker_parallel_kwargs`.
 - ``DFlashDraftInputV2``'s host copy of the reserved KV lengths (worker.py): ``reserved_seq_lens_cpu`` in 0.5.17,
   ``nxt_kv_lens_cpu`` in 0.5.23. -> :func:`reserved_lens_cpu`.
+- the attention-backend compatibility step (startup.py), which runs before the speculative step: a method of
+  ``ServerArgs`` in 0.5.17, a function of ``arg_groups.attention_hook`` in 0.5.23; and where it lets trtllm_mha
+  prefill run: Blackwell SM100 only in 0.5.17, also Hopper and SM120 in 0.5.23.
+  -> :data:`ATTENTION_CHECKS_HOOK`, :data:`TRTLLM_MHA_PREFILL_MAJORS`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ def _text(release: tuple[int, ...]) -> str:
 SGLANG_VERSION = _installed_sglang_version()  # None without SGLang (the algorithm layer needs none)
 SGLANG_RELEASE = release_of(SGLANG_VERSION)
 SUPPORTED_TEXT = " and ".join(_text(r) for r in TESTED_RELEASES)
+_AT_MOST_0_5_17 = (SGLANG_RELEASE or (0, 5, 17)) <= (0, 5, 17)
+# SGLang's attention-backend compatibility step; it runs before the speculative one (``_handle_dflash``)
+ATTENTION_CHECKS_HOOK = ("sglang.srt.server_args.ServerArgs._handle_attention_backend_compatibility" if _AT_MOST_0_5_17
+                         else "sglang.srt.arg_groups.attention_hook.handle_attention_backend_compatibility")
+# compute-capability majors SGLang runs trtllm_mha prefill on (its own check, in that step)
+TRTLLM_MHA_PREFILL_MAJORS = (10,) if _AT_MOST_0_5_17 else (9, 10, 12)
 
 
 class UnsupportedSGLangVersion(RuntimeError):
@@ -125,14 +135,16 @@ def target_hf_config(server_args):
 
 
 def prefill_graph_config():
-    """This process's prefill CUDA-graph settings (backend, bs, max_bs), or None if SGLang keeps none."""
-    from sglang.srt.server_args import get_global_server_args
+    """This process's prefill CUDA-graph settings (backend, bs, max_bs), or None where SGLang published none (a
+    model built outside a server: tests). Both releases keep the resolved config in the "exec" namespace (the
+    worker reads its decode half there too)."""
+    from sglang.srt.runtime_context import get_exec
 
     try:
-        args = get_global_server_args()
-    except ValueError:  # "Global server args is not set yet": a model built outside a server (tests), no graphs
+        graphs = get_exec().graph.cuda_graph_config
+    except ValueError:  # "config namespace 'exec' not published": no server, no graphs
         return None
-    return getattr(getattr(args, "cuda_graph_config", None), "prefill", None)
+    return getattr(graphs, "prefill", None)
 
 
 def target_context_len(server_args) -> int:

@@ -328,8 +328,9 @@ class DFlashDraftModel(nn.Module):
         plain drafter); this rank's vocabulary rows under tensor parallelism."""
         return draft_logits(hidden, self.vocab.lm_head_weight, self.dflash)
 
-    def greedy_drafts(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, H] final draft hidden rows -> [R] greedy draft tokens, the same on every tensor-parallel rank."""
+    def greedy_drafts(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[bs * k, H] final draft hidden rows of block positions 1..k -> [bs * k] greedy draft tokens, the same on
+        every tensor-parallel rank. anchor_ids [bs] (the blocks' bonus tokens) matter to DFlash2's selector only."""
         return self.vocab.greedy(self.draft_logits(hidden))
 
     # ----------------------------------------------------------------------------------------- weights

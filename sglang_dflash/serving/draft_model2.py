@@ -10,9 +10,11 @@ SGLang model of draft_model.py plus what DFlash2 adds, taken from the algorithm 
 - ``CandidateSelector`` (``candidate_selector.*``) as the draft head: ``propose`` = the plain drafter's
   ``DFlashDrafter.propose`` on the served hidden states.
 
-Plain tensor ops throughout, so SGLang's draft CUDA graphs can capture the forward. One process of the vocabulary:
-``propose`` needs the whole row of draft logits for its top-K (under a vocabulary-sharded lm_head: a global top-K
-from each rank's, which the worker does not do yet). ``tests/test_drafter2_parity.py``: equal to the plain drafter.
+Plain tensor ops throughout, so SGLang's draft CUDA graphs can capture the forward and the head. The worker drafts
+with ``greedy_drafts`` (the selector's argmax path) for every request. One process of the vocabulary: ``propose``
+needs the whole row of draft logits for its top-K (under a vocabulary-sharded lm_head: a global top-K from each
+rank's, not done; refused at start-up at --tp-size > 1). ``tests/test_drafter2_parity.py``: equal to the plain
+drafter.
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class DFlash2DraftModel(DFlashDraftModel):
                              "DFlash2 drafters without tensor parallelism (not supported yet)")
         hidden = hidden.view(anchor_ids.shape[0], -1, hidden.shape[-1])
         return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor_ids, temperature, generator)
+
+    def greedy_drafts(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The worker's draft head: the selector's argmax path from each block's bonus token, [bs * k] tokens. Every
+        request, greedy or sampled, gets these point-mass drafts, so the worker's point-mass acceptance rules stay
+        exact (a sampled request's drafts drawn from q would be accepted more often; not wired yet)."""
+        return self.propose(hidden, anchor_ids).tokens.reshape(-1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """The published names, and the `dflash` package's names of the codebooks (checkpoint.TENSOR_ALIASES)."""

@@ -51,9 +51,9 @@ def register() -> None:
         logger.info("sglang-dflash: %s=builtin, SGLang's builtin DFLASH worker is left in place.", WORKER_ENV)
         return
     # compat: an SGLang release we were not tested on gets no hooks but the refusal (compat.py)
-    from .compat import refusal
+    from . import compat
 
-    reason = refusal()
+    reason = compat.refusal()
     if reason is not None:
         _register_refusal(HookRegistry, HookType, reason)
         return
@@ -63,6 +63,8 @@ def register() -> None:
     HookRegistry.register(f"{_HOOK_ARGS}._resolve_speculative_algorithm_alias", _check_draft_path, around)
     HookRegistry.register(f"{_HOOK_ARGS}._handle_dflash", _handle_dflash, around)
     HookRegistry.register(f"{_HOOK_ARGS}._resolve_dflash_draft_attention_backend", _resolve_draft_backend, around)
+    # an attention backend this GPU cannot run: our refusal (flag, capability, fix) before SGLang's own step
+    HookRegistry.register(compat.ATTENTION_CHECKS_HOOK, _check_attention_architecture, around)
     HookRegistry.register(_CAPTURE, _configure_capture, around)
     # our verify-attention kernel for DFLASH TARGET_VERIFY batches on the triton backend (GPU; CPU uses torch_native)
     HookRegistry.register(_TRITON_EXTEND, _triton_forward_extend, around)
@@ -141,6 +143,12 @@ def _handle_dflash(original, server_args):
     from .startup import handle_dflash_args
 
     return handle_dflash_args(original, server_args)
+
+
+def _check_attention_architecture(original, server_args, *args, **kwargs):
+    from .startup import check_architecture_first
+
+    return check_architecture_first(original, server_args, *args, **kwargs)
 
 
 def _resolve_draft_backend(original, server_args):

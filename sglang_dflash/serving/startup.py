@@ -33,8 +33,72 @@ def _is_cpu(server_args) -> bool:
 def supported_draft_backends(server_args) -> tuple[str, ...]:
     if _is_cpu(server_args):
         return CPU_DRAFT_BACKENDS
-    backends = tuple(b for b in GPU_DRAFT_BACKENDS if b != "flashinfer" or importlib.util.find_spec("flashinfer"))
-    return backends
+    cc = gpu_capability(server_args)
+    return tuple(b for b in GPU_DRAFT_BACKENDS if (b != "flashinfer" or importlib.util.find_spec("flashinfer"))
+                 and (cc is None or cc[0] in ARCH_NEEDS.get(b, {}).get("draft", (cc[0],))))
+
+
+# Attention backends that run on some GPU generations only: backend -> {role: compute-capability majors}, the roles
+# being the target's prefill and decode and our worker's draft. SGLang 0.5.17's own rules: it checks the MLA ones
+# and trtllm_mha prefill in its attention-backend step (naming no fix), fa3 and hpc_ops only once the model has
+# loaded (layers/attention/attention_registry.py, hpc_ops_backend.py). fa4 runs on 8.x to 12.x (its vendored
+# flash_attn.cute dispatches each), fa4 draft attention served on an H100 (benchmarks/results/fa4-draft-h100).
+ARCH_NEEDS = {
+    "trtllm_mha": {"prefill": compat.TRTLLM_MHA_PREFILL_MAJORS, "decode": (9, 10, 12)},
+    "trtllm_mla": dict.fromkeys(("prefill", "decode"), (10, 11, 12)),
+    "tokenspeed_mla": dict.fromkeys(("prefill", "decode"), (10, 11, 12)),
+    "cutedsl_mla": {"decode": (10,)},
+    "fa3": dict.fromkeys(("prefill", "decode", "draft"), (8, 9)),
+    "hpc_ops": dict.fromkeys(("prefill", "decode"), (9,)),
+}
+
+
+def gpu_capability(server_args) -> tuple[int, int] | None:
+    """The compute capability of the server's first GPU, or None off CUDA (the check then does not apply)."""
+    if not str(server_args.device or "cuda").startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(int(getattr(server_args, "base_gpu_id", 0) or 0)))
+
+
+def _attention_flags(args):
+    """(flag, backend, role) of each attention backend set on the command line (the split flags win)."""
+    prefill = ("--prefill-attention-backend", args.prefill_attention_backend) if args.prefill_attention_backend \
+        else ("--attention-backend", args.attention_backend)
+    decode = ("--decode-attention-backend", args.decode_attention_backend) if args.decode_attention_backend \
+        else ("--attention-backend", args.attention_backend)
+    draft = ("--speculative-draft-attention-backend", args.speculative_draft_attention_backend)
+    return [(flag, backend, role) for (flag, backend), role in ((prefill, "prefill"), (decode, "decode"),
+                                                                (draft, "draft")) if backend]
+
+
+def check_attention_architecture(server_args) -> None:
+    """Refuse, before any model loads, an attention backend that this GPU's generation cannot run (ARCH_NEEDS)."""
+    cc = gpu_capability(server_args)
+    if cc is None:
+        return
+    for flag, backend, role in _attention_flags(server_args):
+        majors = ARCH_NEEDS.get(backend, {}).get(role)
+        if majors is None or cc[0] in majors:
+            continue
+        fix = "fa4 (served on Hopper) or triton" if role == "draft" and cc[0] == 9 else "triton"
+        raise DFlashStartupError(
+            f"{flag} {backend}: SGLang {compat.SGLANG_VERSION} runs {backend} "
+            f"{'for the draft' if role == 'draft' else f'for {role}'} on compute capability "
+            f"{' / '.join(f'{m}.x' for m in majors)} only, and this GPU is {cc[0]}.{cc[1]}. Fix: {flag} {fix}")
+
+
+def check_architecture_first(original, server_args, *args, **kwargs):
+    """AROUND hook for SGLang's attention-backend step (``compat.ATTENTION_CHECKS_HOOK``): it runs before
+    ``_handle_dflash`` and refuses some of these backends in its own words, without a fix; a DFLASH server gets
+    ours first."""
+    view = compat.args_view(server_args)
+    if str(view.speculative_algorithm or "").upper() == "DFLASH":
+        check_attention_architecture(view)
+    return original(server_args, *args, **kwargs)
 
 
 def resolve_draft_attention_backend(server_args) -> str:
@@ -182,11 +246,16 @@ def check_tensor_parallel(cfg: DFlashConfig, server_args) -> None:
         rank_heads(cfg, int(server_args.tp_size))
     except ValueError as e:
         raise DFlashStartupError(str(e)) from None
+    if cfg.is_dflash2 and int(server_args.tp_size) > 1:
+        raise DFlashStartupError(f"--tp-size {server_args.tp_size} with a DFlash2 drafter ({cfg.architecture}): its "
+                                 "candidate selector needs the whole vocabulary's draft logits on one rank, and the "
+                                 "sglang-dflash worker does not gather them yet. Fix: --tp-size 1, or a DFlash drafter")
 
 
 def handle_dflash_args(original, server_args) -> None:
     """Replaces SGLang's ``_handle_dflash`` when our worker is selected (it also lifts the CUDA-only restriction)."""
     server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
+    check_attention_architecture(server_args)
     cfg = load_draft_config(server_args)
     check_draft_weight_files(server_args.speculative_draft_model_path)
     cfg.validate_against_target(_target_config(server_args))

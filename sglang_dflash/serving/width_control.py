@@ -62,6 +62,7 @@ logger = logging.getLogger("sglang_dflash")
 
 ENV_PIN, ENV_ADAPTIVE, ENV_WIDTHS = settings.K, settings.ADAPTIVE, settings.WIDTHS
 ENV_SCHEDULE, ENV_LOG_EVERY, ENV_TRACE = settings.K_SCHEDULE, settings.LOG_EVERY_S, settings.STEP_TRACE
+ENV_STEP_COSTS = settings.STEP_COSTS
 # Timed tries of each width per batch-size bucket before the table is trusted: the first is warm-up, the table gets
 # the median of the others. The median because the first steps after a server starts or a width first runs at a
 # batch size can take many times their cost (first graph launches, lazy allocations): on an H100 an EMA seeded by
@@ -101,6 +102,7 @@ class WidthControls:
     schedule: list[int] | None
     log_every_s: float
     trace_path: str | None = None
+    step_costs: dict[int, dict[int, float]] | None = None  # a fixed table (benchmarks): no exploration, no timing
 
     @classmethod
     def from_env(cls, block: int, env=None) -> "WidthControls":
@@ -116,15 +118,40 @@ class WidthControls:
             ks = sorted({pinned, block - 1})  # only the widths that run get graphs (B-1: SGLang's own)
         elif not adaptive:
             ks = [block - 1]
+        costs = load_step_costs(s.step_costs, ks) if s.step_costs and adaptive else None
         return cls(ks=ks, pinned=pinned, adaptive=adaptive, schedule=schedule,
-                   log_every_s=s.log_every_s, trace_path=s.step_trace)
+                   log_every_s=s.log_every_s, trace_path=s.step_trace, step_costs=costs)
 
     def describe(self) -> str:
         if self.schedule:
             return f"k schedule {self.schedule} (test hook)"
         if self.pinned is not None:
             return f"k pinned to {self.pinned}"
-        return f"adaptive over k in {self.ks}" if self.adaptive else f"fixed k = {max(self.ks)}"
+        if not self.adaptive:
+            return f"fixed k = {max(self.ks)}"
+        return f"adaptive over k in {self.ks}" + (" (fixed step-time table)" if self.step_costs else "")
+
+
+def load_step_costs(path: str, ks: list[int]) -> dict[int, dict[int, float]]:
+    """A fixed step-time table from JSON {k: {batch size: seconds}} (keys may be strings), covering every width in
+    ks: with it the policy explores nothing and times nothing, so the same acceptance gives the same choices run
+    after run (and on every tensor-parallel rank). Write one from a measured run's trace (benchmarks/step_trace.py)."""
+    import json
+
+    name = settings.STEP_COSTS
+    try:
+        raw = json.loads(open(path).read())
+        table = {int(k): {int(bs): float(t) for bs, t in per_bs.items()} for k, per_bs in raw.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{name}={path!r}: not a readable JSON table {{k: {{batch size: seconds}}}} ({e}). "
+                         "Fix: write one as benchmarks/README.md shows, or unset the variable") from None
+    missing = [k for k in ks if not table.get(k)]
+    bad = [(k, bs, t) for k, per_bs in table.items() for bs, t in per_bs.items() if not (t > 0 and bs >= 1)]
+    if missing or bad:
+        raise ValueError(f"{name}={path!r}: " + (f"no step time for widths {missing} (the policy chooses among "
+                         f"{ks})" if missing else f"entries {bad[:3]} are not a batch size >= 1 with seconds > 0")
+                         + ". Fix: give every width at least one batch size with its seconds per step")
+    return table
 
 
 def _k_value(name: str, k: int, block: int) -> int:
@@ -165,6 +192,13 @@ class WidthController:
         # the table shared from rank 0 under tensor parallelism (module docstring)
         self.local_costs = self.policy.costs if share is None else StepCostTable(controls.ks)
         self._share = share
+        self._frozen = controls.step_costs is not None  # a fixed table: no exploration, no timing, no share
+        if self._frozen:
+            for k, per_bs in controls.step_costs.items():
+                if k in controls.ks:
+                    for bs, seconds in per_bs.items():
+                        self.policy.costs.set(bs, k, seconds)
+            self._share = None
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
         self._samples: dict = collections.defaultdict(list)  # (bucket, k) -> exploration times (for the median)
         self._last_timed: dict = {}  # (bucket, k) -> step count when it was last timed
@@ -189,6 +223,8 @@ class WidthController:
         if c.schedule:
             return c.schedule[self._steps % len(c.schedule)]
         if c.pinned is not None or not c.adaptive or len(c.ks) == 1:
+            return self.policy.choose(bs)
+        if self._frozen:
             return self.policy.choose(bs)
         if self._share is not None and _share_due(self._steps):
             self.policy.costs = self._share(self.local_costs)
@@ -298,7 +334,9 @@ class WidthController:
         # The counts below follow step.timed (the steps' order), never the clock, so they agree on every
         # tensor-parallel rank; the seconds only go into this rank's table.
         seconds, bucket, costs = step.seconds, size_bucket(step.bs), self.local_costs
-        if step.timed:
+        if self._frozen:
+            seconds = None  # the table is fixed: only the acceptance is learned
+        elif step.timed:
             key = bucket, step.k
             self._explored[key] += 1
             self._last_timed[key] = self._steps
@@ -353,8 +391,8 @@ def _share_due(steps: int) -> bool:
 class TableShare:
     """Tensor parallelism: rank 0's step-time table for every rank, over the TP group's CPU (gloo) group.
 
-    ``broadcast(obj, src)`` is ``torch.distributed.broadcast_object_list`` on that group in the server; tests give a
-    stand-in. Every rank must call it at the same step (``_share_due``)."""
+    ``broadcast(obj)`` returns rank 0's object on every rank (``torch.distributed.broadcast_object_list`` on that
+    group in the server; tests give a stand-in). Every rank must call it at the same step (``_share_due``)."""
 
     def __init__(self, rank: int, broadcast):
         self.rank, self._broadcast = rank, broadcast

@@ -66,8 +66,10 @@ def register_draft_model() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
     from .draft_model import DFlashDraftModel
+    from .draft_model2 import DFlash2BeamDraftModel, DFlash2DraftModel
 
-    ModelRegistry.models["DFlashDraftModel"] = DFlashDraftModel
+    for cls in (DFlashDraftModel, DFlash2DraftModel, DFlash2BeamDraftModel):
+        ModelRegistry.models[cls.__name__] = cls
 
 
 class DFlashWorker(BaseSpecWorker):
@@ -200,7 +202,8 @@ class DFlashWorker(BaseSpecWorker):
         if bs * (B - 1) > GRAPH_HEAD_MAX_ROWS or bs > self._graph_drafts.shape[0]:
             return
         hidden = out.hidden_states[:num_tokens].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
-        self._graph_drafts[:bs].copy_(self.draft_model.greedy_drafts(hidden).view(bs, B - 1))
+        anchors = forward_batch.input_ids[:num_tokens].view(bs, B)[:, 0]  # the blocks' bonus tokens
+        self._graph_drafts[:bs].copy_(self.draft_model.greedy_drafts(hidden, anchors).view(bs, B - 1))
         self._graph_head_bs.add(bs)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
@@ -356,7 +359,7 @@ class DFlashWorker(BaseSpecWorker):
         # 14 ms of a 38 ms step at bs=32 on an 8B-shaped pair).
         # Only the k rows that will be verified go through the lm_head (its [V, H] read dominates at small batch).
         hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:k + 1].reshape(bs * k, -1)
-        return self.draft_model.greedy_drafts(hidden).view(bs, k)
+        return self.draft_model.greedy_drafts(hidden, block_ids[:, 0]).view(bs, k)
 
     def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs, width):
         vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),

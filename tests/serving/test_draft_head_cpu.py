@@ -29,8 +29,13 @@ def stand_in(hidden: torch.Tensor, replayed_bs: int | None):
         decode_cuda_graph_runner=SimpleNamespace(bs=replayed_bs))
     me = SimpleNamespace(block=B, draft_runner=runner, _draft_spec_info=None, _graph_head_bs=set(),
                          _graph_drafts=torch.full((CAP, B - 1), -1, dtype=torch.int64),
-                         draft_model=SimpleNamespace(greedy_drafts=lambda h: (h @ head.T).argmax(-1)))
+                         draft_model=SimpleNamespace(greedy_drafts=lambda h, anchors: (h @ head.T).argmax(-1)))
     return me, head
+
+
+def _batch(num_tokens: int):
+    """The captured batch as the hook sees it: the block ids (bonus, MASK...) the draft forward ran on."""
+    return SimpleNamespace(input_ids=torch.zeros(num_tokens, dtype=torch.int64))
 
 
 def eager_drafts(hidden, head, bs, k):
@@ -48,7 +53,8 @@ def draft(me, bs, k):
 def test_graph_head_drafts_what_the_eager_head_drafts(bs, padded):
     hidden = torch.randn(padded * B, H)
     me, head = stand_in(hidden, replayed_bs=padded)
-    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), None, padded * B)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), _batch(padded * B),
+                                            padded * B)
     assert me._graph_head_bs == {padded}
     for k in range(1, B):
         got = draft(me, bs, k)
@@ -71,10 +77,10 @@ def test_large_batches_keep_the_eager_head(monkeypatch):
     monkeypatch.setattr(worker, "GRAPH_HEAD_MAX_ROWS", 2 * (B - 1))
     hidden = torch.randn(3 * B, H)
     me, _ = stand_in(hidden, replayed_bs=3)
-    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), None, 3 * B)
-    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), None, 2 * B)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), _batch(3 * B), 3 * B)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), _batch(2 * B), 2 * B)
     assert me._graph_head_bs == {2}
     big = torch.randn((CAP + 1) * B, H)  # a captured batch larger than the buffer: left out, nothing written
     monkeypatch.setattr(worker, "GRAPH_HEAD_MAX_ROWS", 10_000)
-    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=big), None, (CAP + 1) * B)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=big), _batch((CAP + 1) * B), (CAP + 1) * B)
     assert CAP + 1 not in me._graph_head_bs

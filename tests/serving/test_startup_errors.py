@@ -2,7 +2,8 @@
 
 The checks run in SGLang's server-argument step of the launcher process. One subprocess imports SGLang once, loads
 the plugins exactly as `python -m sglang.launch_server` does, and runs `prepare_server_args` for every bad case
-(cheap on 2 cores); one real `launch_server` confirms the exit status end to end.
+(cheap on 2 cores; the GPU's compute capability is faked as an H100's, so the attention-architecture check runs
+too); one real `launch_server` confirms the exit status end to end.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ pytest.importorskip("sglang")
 PROBE = r"""
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from sglang_dflash.serving import startup
+startup.gpu_capability = lambda server_args: (9, 0)  # as if on an H100: the attention-architecture check applies
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import prepare_server_args
@@ -86,6 +89,7 @@ EXPECT = {
     "tp_heads": "cannot be split over --tp-size 3",
     "context": "exceeds the drafter's 1024",
     "truncated": "model.safetensors'",  # the file named (then "is truncated ... Fix: download the drafter again")
+    "arch": "--attention-backend trtllm_mha: SGLang",  # ours, before SGLang's own check of it (no fix named)
 }
 
 
@@ -105,6 +109,7 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
         "context": _argv(target, _variant(draft, tmp_path / "context", max_position_embeddings=1024)),
         "tp2": _argv(target, draft, "--tp-size", "2"),
         "truncated": _argv(target, _truncated(draft, tmp_path / "truncated")),
+        "arch": _argv(target, draft, "--attention-backend", "trtllm_mha"),  # the seeds' Qwen3.5 target backend
     }
     env = dict(os.environ, SGLANG_ENABLE_SPEC_V2="1", SGLANG_ENABLE_DFLASH_SPEC_V2="1")
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True,

@@ -87,6 +87,8 @@ def run_accept(rows, drafts, logits, monkeypatch, bug=None):
     n = drafts.shape[0]
     me = SimpleNamespace(_greedy_accept=greedy_accept_torch)
     me._sampled = lambda *a: worker.DFlashWorker._sampled(me, *a)
+    me._tp_group = None  # one rank: _rank0_outcome hands the outcome back unchanged
+    me._rank0_outcome = lambda *a: worker.DFlashWorker._rank0_outcome(me, *a)
     verify_ids = torch.cat([torch.zeros(n, 1, dtype=drafts.dtype), drafts], dim=1)  # [bonus, drafts]
     prefix = torch.arange(n) + 10
     commit, tokens, next_ids, bonus, accept_lens, new_lens = worker.DFlashWorker._accept(
