@@ -234,6 +234,7 @@ class DFlashWorker(BaseSpecWorker):
             return self._decode_step(batch, on_publish, grammar_barrier)
 
     def _prefill(self, batch, on_publish):
+        self._controls.before_prefill(batch)  # a retracted request's penalties cover its earlier output
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         features = out.logits_output.hidden_states
         if features is None:
