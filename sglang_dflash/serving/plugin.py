@@ -14,6 +14,7 @@ import logging
 import os
 
 from ..settings import WORKER as WORKER_ENV, current as settings
+from .finish_order import update_finish_state_in_token_order  # no imports of its own: on every request's step
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -34,6 +35,7 @@ _XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 _TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers"
 _PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+_FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 
 
 def selected_worker() -> str:
@@ -72,6 +74,9 @@ def register() -> None:
     HookRegistry.register(_TRITON_VERIFY_BUFFERS, _triton_verify_buffers, around)
     HookRegistry.register(_TOKENIZED, _refuse_unapplied_sampling, around)
     HookRegistry.register(_VALIDATE_DFLASH, _validate_dflash_request, around)
+    # a multi-token commit finishes where plain decoding would: stop strings / tokens before the length limit, in
+    # token order (finish_order.py)
+    HookRegistry.register(_FINISH_STATE, update_finish_state_in_token_order, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
     # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
     # a stream-free FutureMap read under overlap scheduling.

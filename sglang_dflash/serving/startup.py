@@ -175,14 +175,18 @@ def load_draft_config(server_args) -> DFlashConfig:
     return DFlashConfig.load(path)
 
 
-def check_draft_weight_files(path: str) -> None:
+def check_draft_weight_files(server_args) -> None:
     """Every *.safetensors file of the drafter is whole (header parsed, size = the header's last byte): a cut
     download stops the launcher here, naming the file and the fix, before any model loads, instead of failing
     later in a scheduler with safetensors' own message. Reads the headers only (`checkpoint.check_safetensors_file`;
-    the NaN / inf check runs as the weights load)."""
+    the NaN / inf check runs as the weights load). Skipped for `--load-format dummy` drafters (random weights of a
+    shape: the directory holds a config only)."""
     from ..checkpoint import check_safetensors_file, weight_files
 
-    for f in weight_files(path):
+    draft_format = getattr(server_args, "speculative_draft_load_format", None) or server_args.load_format
+    if draft_format == "dummy":
+        return
+    for f in weight_files(server_args.speculative_draft_model_path):
         check_safetensors_file(f)
 
 
@@ -257,7 +261,7 @@ def handle_dflash_args(original, server_args) -> None:
     server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
     check_attention_architecture(server_args)
     cfg = load_draft_config(server_args)
-    check_draft_weight_files(server_args.speculative_draft_model_path)
+    check_draft_weight_files(server_args)
     cfg.validate_against_target(_target_config(server_args))
     check_mask_token(cfg, server_args)
 
