@@ -22,7 +22,8 @@ import test_acceptance as acceptance_tests
 import test_dflash_oracle as oracle_tests
 import test_drafter as drafter_tests
 import test_reference_engine as engine_tests
-from sglang_dflash import acceptance, dflash2, drafter
+import test_tree_acceptance as tree_tests
+from sglang_dflash import acceptance, dflash2, drafter, tree_acceptance
 from sglang_dflash.reference import engine
 
 
@@ -60,6 +61,28 @@ def test_verify_distribution_test_catches(monkeypatch, bug):
     plant(monkeypatch, acceptance, "verify_sampled", old, new)
     with pytest.raises(AssertionError, match=role):
         acceptance_tests.test_verify_sampled_emits_target_distribution()
+
+
+# ---------------------------------------------------------------- verify_tree_sampled (test_tree_acceptance.py)
+# Unlike the chain rule's final draw, the tree rule's acceptance test divides by the residual's sum: there, not
+# renormalising is a real bug (a later sibling accepted with p(x) instead of p'(x)), and it is planted.
+TREE_BUGS = {
+    "sibling accepted with p(x), residual not renormalised": (
+        "u[:, i - 1] * residual.sum(dim=-1) < mass", "u[:, i - 1] < mass"),
+    "rejected sibling keeps its mass": ("torch.where(candidate & ~accept, torch.zeros_like(mass), mass)", "mass"),
+    "final draw from p_u, forgetting the rejections": ("torch.where(empty, target_probs", "torch.where(empty | True, "
+                                                                                          "target_probs"),
+    "accepted child walks on with its parent's row": (
+        "torch.where(accept[:, None], target_probs[:, i], residual)", "residual"),
+}
+
+
+@pytest.mark.parametrize("bug", list(TREE_BUGS))
+def test_tree_distribution_test_catches(monkeypatch, bug):
+    old, new = TREE_BUGS[bug]
+    plant(monkeypatch, tree_acceptance, "verify_tree_sampled", old, new)
+    with pytest.raises(AssertionError, match="target"):
+        tree_tests.test_tree_sampled_emits_target_distribution()
 
 
 # ---------------------------------------------------------------- verify_sampled_q (drafts drawn from q)
