@@ -16,10 +16,13 @@ non-increasing order and the tree is exactly the N-1 most probable paths (prefix
 probable as its extension; ties broken by pop order). The frontier gains at most one entry per pop, so it has
 at most N slots; the N-1 pops run batched over requests (a loop of N-1 small tensor steps, no per-request Python).
 
-Why this choice: the chain (every rank 0) is the single most probable path, so a tree of N >= B nodes always
-contains it whenever its nodes are not better spent on near-ties at shallow depths; best-first by the product is
-the budget allocation that maximises the expected number of accepted nodes *under the draft's own (independent)
-model*; DFlash's drafts are not calibrated at depth, so this is a heuristic with respect to the target.
+Why this choice: under the draft's own model (positions independent), the expected number of accepted nodes of a
+tree is the sum of its nodes' path probabilities, so for a budget of N nodes the N-1 most probable paths are the
+best tree that model can name, and best-first finds them without scoring the V^(B-1) others. The chain is the
+most probable path of each depth, but best-first may spend the budget on shallow near-ties instead of reaching
+depth B-1: a tree of N = B nodes is the chain only when every position's argmax dominates. DFlash's drafts are not
+calibrated (and the target is not independent across positions), so "best" holds for the draft's model, not the
+target's: benchmarks/tree_tau.py measures what it buys.
 
 Terms and shapes (n requests, N nodes including the root, B the block size):
     tokens   [n, N] int64   node i's token (root: the anchor)
