@@ -187,9 +187,9 @@ def test_tree_sampled_emits_target_distribution():
     sampling (sequence_law), and sequences the target never emits (e.g. a child's token ending the walk) never
     appear. Power: one grouped chi-square, ALPHA = 1e-4, >= 95% power against any error of mean TV >= 0.02 over the
     committed sequences (_stats.detectable_tv, enforced below). The planted bugs of test_mutations_algorithm.py move
-    far more: accepting a later sibling with p(x) instead of p'(x) turns 0.25 / 0.65 into 0.25 at the hand tree's
-    root (TV 0.05 on its first token alone), and drawing from a residual that keeps a rejected sibling emits
-    sequences of probability 0."""
+    far more: accepting a later sibling with p(x) instead of p'(x) emits the hand tree's root children 1 and 4 with
+    0.16 and 0.07 instead of 0.25 and 0.15 (TV 0.16 on the first token alone), and drawing from a residual that
+    keeps a rejected sibling emits sequences of probability 0."""
     pvalue, draws, df, impossible, lengths = tree_law_failures()
     assert not impossible, "a committed sequence the target never emits (probability 0 under its law)"
     assert pvalue > ALPHA, f"committed sequences do not follow the target's law: p-value {pvalue:.3g} ({draws} draws)"
