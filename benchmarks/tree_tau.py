@@ -5,8 +5,9 @@ sglang_dflash/assets, greedy, held-out prompts.
     OMP_NUM_THREADS=1 python -m benchmarks.tree_tau --per-set 8 --tokens 128 --crosscheck 3 \
         --out benchmarks/results/tree-tau-cpu
 
-Method: a teacher-forced replay of greedy verification (as train.evaluate.greedy_tau_teacher_forced), because a
-target forward of 16-64 tokens costs seconds on this machine and the engine would need hours:
+Method: a teacher-forced replay of greedy verification (as train.evaluate.greedy_tau_teacher_forced), because
+per-request target forwards of 16-64 tokens on this shared 2-core machine would keep the engine busy over an hour for
+the four methods (the engine's sampled runs below took 30-45 s per prompt and method):
 1. The target's greedy continuation x of each prompt (batched transformers generate, stop token kept), then one
    forward over prompt + continuation for the drafter's context rows. That forward's own argmax is compared with
    x; the continuation is cut at the first disagreement (float noise of padded batched decoding), so x is exactly
@@ -21,6 +22,8 @@ target forward of 16-64 tokens costs seconds on this machine and the engine woul
    continuation (the engine may accept drafts past the stop).
 4. With --crosscheck K, the engine itself (ReferenceEngine, chain and tree mode at N = 16) runs K prompts for a few
    tokens: its steps must equal the replay's first steps and its output the trajectory (results.json says so).
+Sampled (--temperature T > 0): the engine itself per method (chain, tree16, tree32) on --per-set prompts per set,
+since a sampled rule needs the target's p at every node; sampled-T*.json / .md.
 The greedy output of every method is the trajectory itself (lossless is tested in tests/test_tree_engine.py, with
 the real pair too); what differs is how many tokens a verify pass commits, and how many tokens it verifies (N).
 """
@@ -139,6 +142,24 @@ def crosscheck(model, drafter, prompts: list[list[int]], per_prompt: list[dict],
     return out
 
 
+def sampled_tau(model, drafter, prompts: list[list[int]], tokens: int, temperature: float, methods) -> dict:
+    """Sampled tau from the engine itself (no replay exists for sampling: the rule needs the target's p at every
+    node): ReferenceEngine per method, one seed, the same prompts. {method: {tau, verify_steps, tokens}}."""
+    from sglang_dflash.reference import ReferenceEngine
+    from sglang_dflash.sampling import SamplingParams
+    from sglang_dflash.targets import smollm2
+
+    params = SamplingParams(max_new_tokens=tokens, temperature=temperature, stop_token_ids=tuple(smollm2.STOP_IDS))
+    out = {}
+    for method, size in methods:
+        engine = ReferenceEngine(model, drafter, seed=0, tree_size=size)
+        runs = [engine.generate([ids], params)[0] for ids in tqdm(prompts, desc=f"T={temperature:g} {method}")]
+        steps = [c for r in runs for c in r.commit_lens]
+        out[method] = {"tau": round(sum(steps) / len(steps), 3), "verify_steps": len(steps),
+                       "tokens": sum(len(r.output_ids) for r in runs)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-set", type=int, default=8, help="held-out prompts per set (humaneval, mtbench, gsm)")
@@ -148,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--crosscheck", type=int, default=0, help="also run the engine on this many prompts (first of "
                     "each set in turn) and compare its steps with the replay's")
     ap.add_argument("--crosscheck-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: instead of the greedy replay, sampled tau "
+                    "from the engine on --per-set prompts per set (chain, tree16, tree32), into sampled-T*.json/md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from sglang_dflash.checkpoint import load_drafter
@@ -164,6 +187,8 @@ def main(argv=None) -> int:
     target = HFTarget(model, drafter.config.target_layer_ids)
     items = held_out(prompt_sets.load(), args.per_set)
     ids = [smollm2.chat_ids(tok, it["turns"][0]) for it in items]
+    if args.temperature > 0:
+        return write_sampled(args, argv, model, drafter, ids, t0)
     with torch.inference_mode():
         store = generate_responses(model, ids, args.tokens, list(smollm2.STOP_IDS), smollm2.PAD_ID,
                                    batch_size=len(ids), progress=True)
@@ -219,6 +244,28 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(md + "\n")
     print(md)
     print(json.dumps(meta, indent=1))
+    return 0
+
+
+def write_sampled(args, argv, model, drafter, ids, t0) -> int:
+    methods = [("chain", None)] + [(f"tree{n}", n) for n in SIZES[:2]]  # 64: 4x the verify cost, out of CPU time
+    with torch.inference_mode():
+        table = sampled_tau(model, drafter, ids, args.tokens, args.temperature, methods)
+    meta = {"command": "python -m benchmarks.tree_tau " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": f"CPU only, {os.cpu_count()} cores shared with other jobs ({platform.machine()})",
+            "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "prompts": len(ids), "max_new_tokens": args.tokens, "temperature": args.temperature,
+            "method": "ReferenceEngine.generate (sampled, seed 0), one request at a time",
+            "wall_s": round(time.time() - t0, 1)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"sampled-T{args.temperature:g}"
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "table": table}, indent=1))
+    md = ("| T | prompts | " + " | ".join(m for m, _ in methods) + " |\n|---|---|" + "---|" * len(methods) + "\n"
+          + f"| {args.temperature:g} | {len(ids)} | "
+          + " | ".join(f"{table[m]['tau']:.2f} ({table[m]['verify_steps']} steps)" for m, _ in methods) + " |")
+    (out / f"{name}.md").write_text(md + "\n")
+    print(md)
     return 0
 
 
