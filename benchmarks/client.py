@@ -54,6 +54,18 @@ class ChatTemplater:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
+async def sse_chunks(resp: aiohttp.ClientResponse):
+    """The JSON chunks of a streamed SGLang answer (``data: {...}`` lines), up to ``data: [DONE]``."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield orjson.loads(payload)
+
+
 async def generate(session: aiohttp.ClientSession, url: str, input_ids: list[int], sampling: Sampling,
                    timeout_s: float) -> dict:
     """One streamed /generate request; returns timings (monotonic s), token counts, spec counters, output ids."""
@@ -72,14 +84,7 @@ async def generate(session: aiohttp.ClientSession, url: str, input_ids: list[int
                 rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 rec["t_end"] = time.perf_counter()
                 return rec
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = orjson.loads(payload)
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     rec["error"] = str(chunk["error"])[:300]
                     break

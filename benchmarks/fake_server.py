@@ -1,15 +1,24 @@
-"""A stand-in for ``python -m sglang.launch_server`` that speaks the parts of the native API the benchmark uses.
+"""A stand-in for ``python -m sglang.launch_server`` that speaks the parts of the native API the benchmarks use.
 
-For CPU tests and dry runs of the driver (``--python`` pointing at a wrapper that runs this module). Tokens are a
-deterministic function of the prompt; with ``--speculative-algorithm`` it commits ``--fake-tau`` tokens per step
-(default 3) and reports ``spec_verify_ct`` like SGLang. It prints "sglang_dflash worker active" when run as "ours"
-(speculative, and the switch variable given by --fake-switch-var unset), as our plugin's log would.
+For CPU tests and dry runs of the driver and the soak (``--python`` pointing at a wrapper that runs this module).
+The next token is a deterministic function of the whole context (`next_token`), so a continuation from any point and
+the top-2 after any context agree with a full generation, as a real greedy server's do. With
+``--speculative-algorithm`` it commits ``--fake-tau`` tokens per step (default 3) and reports ``spec_verify_ct`` like
+SGLang. It prints "sglang_dflash worker active" when run as "ours" (speculative, and the switch variable given by
+--fake-switch-var unset), as our plugin's log would.
+
+Served: /health, /health_generate, /get_model_info, /server_info (and /get_server_info), /v1/loads (tokens held by
+running requests), /abort_request (by rid), /generate (streamed or not; logprobs: the top-2 at a gap of 1.0), and
+/v1/completions, /v1/chat/completions (greedy, return_token_ids). Faults for the soak's own tests: `--fake-corrupt N`
+changes one output token of every request whose prompt sum is divisible by N (a lossless bug), `--fake-leak` never
+returns a finished request's tokens to the pool.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -17,6 +26,17 @@ import sys
 from aiohttp import web
 
 from sglang_dflash.serving.plugin import WORKER_ENV
+
+VOCAB = 1000
+
+
+def next_token(ctx_sum: int, ctx_len: int) -> int:
+    """The fake's greedy token after a context with this sum and length; its runner-up is the next id."""
+    return (ctx_sum * 7 + ctx_len) % (VOCAB - 1)
+
+
+def text_of(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
 def parse(argv):
@@ -29,6 +49,9 @@ def parse(argv):
     p.add_argument("--fake-tau", type=int, default=3)
     p.add_argument("--fake-step-s", type=float, default=0.002)
     p.add_argument("--fake-switch-var", default=WORKER_ENV)
+    p.add_argument("--fake-input-limit", type=int, default=4096)
+    p.add_argument("--fake-corrupt", type=int, default=0)
+    p.add_argument("--fake-leak", action="store_true")
     a, _ = p.parse_known_args(argv)
     return a
 
@@ -39,6 +62,9 @@ def main(argv=None):
     if spec and a.fake_switch_var not in os.environ:
         print("sglang_dflash worker active (fake)", flush=True)
     per_step = a.fake_tau if spec else 1
+    running: dict[str, int] = {}  # rid -> tokens it holds
+    aborted: set[str] = set()
+    leaked = [0]
 
     async def health(_):
         return web.Response(text="ok")
@@ -49,34 +75,98 @@ def main(argv=None):
     async def server_info(_):
         return web.json_response({"model_path": a.model_path, "speculative_algorithm": a.speculative_algorithm,
                                   "speculative_num_draft_tokens": a.speculative_num_draft_tokens if spec else None,
-                                  "version": "fake"})
+                                  "max_req_input_len": a.fake_input_limit, "max_total_num_tokens": 8 * a.fake_input_limit,
+                                  "grammar_backend": "none", "version": "fake"})
+
+    async def loads(_):
+        return web.json_response({"loads": [{"num_used_tokens": sum(running.values()) + leaked[0],
+                                             "num_running_reqs": len(running), "num_waiting_reqs": 0,
+                                             "token_usage": 0.0}]})
+
+    async def abort(req):
+        aborted.add((await req.json())["rid"])
+        return web.Response()
+
+    async def tokens(ids: list[int], n: int, rid: str):
+        """Yields (output so far, steps, finish) after each step; holds len(ids) + output tokens while running."""
+        s, out, steps = sum(ids), [], 0
+        corrupt = a.fake_corrupt and sum(ids) % a.fake_corrupt == 0 and n > 2
+        running[rid] = len(ids)
+        try:
+            while len(out) < n:
+                await asyncio.sleep(a.fake_step_s)
+                if rid in aborted:
+                    yield out, steps, {"type": "abort"}
+                    return
+                for _ in range(min(per_step, n - len(out))):
+                    t = next_token(s, len(ids) + len(out))
+                    out.append(t + 1 if corrupt and len(out) == 2 else t)
+                    s += out[-1]
+                steps += 1
+                running[rid] = len(ids) + len(out)
+                yield out, steps, ({"type": "length", "length": n} if len(out) >= n else None)
+        finally:
+            held = running.pop(rid, 0)
+            leaked[0] += held if a.fake_leak else 0
+            aborted.discard(rid)
+
+    def meta(ids, out, steps, finish, logprob):
+        m = {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": finish}
+        if spec:
+            m.update(spec_verify_ct=steps, spec_num_correct_drafts=len(out) - steps)
+        if logprob:
+            s, tops = sum(ids), []
+            for j, t in enumerate(out):
+                best = next_token(s, len(ids) + j)
+                tops.append([[-0.1, best, None], [-1.1, best + 1, None]])
+                s += t
+            m.update(output_token_logprobs=[[-0.1 if t == top[0][1] else -1.1, t, None] for t, top in zip(out, tops)],
+                     output_top_logprobs=tops)
+        return m
 
     async def generate(req):
         body = await req.json()
-        ids = body["input_ids"]
-        sp = body["sampling_params"]
-        n = int(sp["max_new_tokens"])
-        seed = sum(ids) % 997
+        ids, sp = body["input_ids"], body["sampling_params"]
+        n, rid = int(sp["max_new_tokens"]), body.get("rid") or os.urandom(8).hex()
+        logprob = bool(body.get("return_logprob"))
+        if not body.get("stream"):
+            last = None
+            async for last in tokens(ids, n, rid):
+                pass
+            out, steps, finish = last
+            return web.json_response({"output_ids": out, "text": text_of(out),
+                                      "meta_info": meta(ids, out, steps, finish, logprob)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
-        out, steps = [], 0
-        while len(out) < n:
-            await asyncio.sleep(a.fake_step_s)
-            k = min(per_step, n - len(out))
-            out += [(seed + 7 * (len(out) + j)) % 1000 for j in range(k)]
-            steps += 1
-            meta = {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": None}
-            if spec:
-                meta.update(spec_verify_ct=steps, spec_num_correct_drafts=len(out) - steps)
-            if len(out) >= n:
-                meta["finish_reason"] = {"type": "length", "length": n}
-            await resp.write(b"data: " + json.dumps({"output_ids": out, "meta_info": meta}).encode() + b"\n\n")
+        async with contextlib.aclosing(tokens(ids, n, rid)) as stream:  # a client gone: the request ends now
+            async for out, steps, finish in stream:
+                chunk = {"output_ids": out, "text": text_of(out), "meta_info": meta(ids, out, steps, finish, logprob)}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def openai(req):
+        body = await req.json()
+        chat = "messages" in body
+        ids = [ord(c) % VOCAB for m in body["messages"] for c in m["content"]] if chat else body["prompt"]
+        last = None
+        async for last in tokens(ids, int(body["max_tokens"]), os.urandom(8).hex()):
+            pass
+        out, _, finish = last
+        choice = {"index": 0, "finish_reason": finish["type"], "token_ids": out}
+        if chat:
+            choice.update(message={"role": "assistant", "content": text_of(out)}, prompt_token_ids=ids)
+        else:
+            choice["text"] = text_of(out)
+        return web.json_response({"choices": [choice], "usage": {"prompt_tokens": len(ids),
+                                                                 "completion_tokens": len(out)}})
+
     app = web.Application()
-    app.add_routes([web.get("/health", health), web.get("/get_model_info", model_info),
-                    web.get("/get_server_info", server_info), web.post("/generate", generate)])
+    app.add_routes([web.get("/health", health), web.get("/health_generate", health),
+                    web.get("/get_model_info", model_info), web.get("/get_server_info", server_info),
+                    web.get("/server_info", server_info), web.get("/v1/loads", loads),
+                    web.post("/abort_request", abort), web.post("/generate", generate),
+                    web.post("/v1/completions", openai), web.post("/v1/chat/completions", openai)])
     web.run_app(app, host=a.host, port=a.port, shutdown_timeout=0.5, print=lambda *x: print(*x, flush=True))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -49,8 +50,12 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, max_shard_bytes: int 
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
-def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a drafter directory, names as published (known exporter prefixes stripped)."""
+_REDOWNLOAD = ("download the drafter again (or copy it again from its source) and check that every "
+               "*.safetensors file arrived whole")
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The drafter directory's safetensors files: those its index names, else every *.safetensors in it."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -60,9 +65,62 @@ def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not files:
         raise DFlashConfigError("weights", str(path), "no *.safetensors file in the drafter directory",
                                 "export the drafter as safetensors (config.json + model.safetensors)")
+    return [path / f for f in files]
+
+
+def check_safetensors_file(file: str | Path) -> None:
+    """A safetensors file is whole: its header parses and the file is exactly as long as the header says (8 bytes
+    of header length, the JSON header, then every tensor's bytes at its data_offsets). Reads the header only, so it
+    costs nothing at start-up; a cut download then fails here, naming the file, instead of inside the loader with
+    safetensors' own message (or, for a cut past the last tensor's start, with a tensor of garbage)."""
+    file = Path(file)
+    if not file.is_file():
+        raise DFlashConfigError("weights", str(file), "is missing (the index names it)", _REDOWNLOAD)
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or 8 + n > size:
+            raise DFlashConfigError("weights", str(file), f"is truncated: {size} bytes, shorter than its own header "
+                                    f"({'no header length' if n is None else f'{8 + n} bytes'})", _REDOWNLOAD)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise DFlashConfigError("weights", str(file), f"has an unreadable header ({e})", _REDOWNLOAD) from None
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    expected = 8 + n + end
+    if size < expected:
+        raise DFlashConfigError("weights", str(file), f"is truncated: {size} bytes, but its header places tensor "
+                                f"data up to byte {expected} ({expected - size} bytes missing)", _REDOWNLOAD)
+    if size > expected:
+        raise DFlashConfigError("weights", str(file), f"has {size - expected} bytes past its last tensor "
+                                f"({size} bytes, header says {expected}): not one safetensors file", _REDOWNLOAD)
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: str | Path) -> None:
+    """THE check of one drafter tensor at load (the plain loader here and SGLang's draft model's load_weights): a
+    NaN or inf weight is refused, naming the tensor. Served, it would not change the output (the target decides
+    every token) but would make every draft garbage, silently: acceptance collapses to one token per step."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    raise DFlashConfigError("weights", name, f"holds {nan} NaN and {inf} inf values (of {tensor.numel()}) in "
+                            f"{source}", "the checkpoint is corrupt or was saved from a diverged training run: "
+                            "download it again, or re-export the drafter from a checkpoint whose weights are finite")
+
+
+def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter directory, names as published (known exporter prefixes stripped); every file
+    checked whole first (`check_safetensors_file`), every tensor finite (`check_finite`)."""
+    files = weight_files(path)
+    for f in files:
+        check_safetensors_file(f)
     state = {}
     for f in files:
-        state.update(load_file(str(path / f)))
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            check_finite(name, t, f)
+        state.update(tensors)
     for prefix in _KNOWN_PREFIXES:
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}

@@ -79,6 +79,16 @@ def apply_penalties(logits: torch.Tensor, rows: PenaltyRows, state: BlockState) 
     return torch.where(out < 0, out * scale, out / scale)
 
 
+def penalty_terms(freq_acc, seen, out_len, presence, repetition, min_new, stop) -> tuple[torch.Tensor, torch.Tensor]:
+    """One next-token distribution's penalties as SGLang's sampler takes them from its orchestrator: (additive
+    [N, V], scaling [N, V]) with processed = (logits + additive) * scaling where that is < 0, / scaling otherwise;
+    `apply_penalties` at one row. The worker's prefill uses it (a retracted request prefilled again)."""
+    additive = torch.neg(freq_acc) - torch.where(seen, presence[:, None], 0.0)
+    holding = (out_len < min_new)[:, None] & stop
+    additive = additive + torch.where(holding, float("-inf"), 0.0)
+    return additive, torch.where(seen, repetition[:, None], 1.0)
+
+
 def advance(rows: PenaltyRows, state: BlockState, tokens: torch.Tensor,
             commit_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The state after the committed tokens (new freq_acc [N, V], seen [N, V], out_len [N]): the accepted drafts

@@ -46,9 +46,12 @@ DEFAULT_PORT = 30000
 # at 8192 tokens: enough for dozens of chat requests of this size, and it keeps start-up at ~25 s instead of ~50 s.
 # xgrammar: structured output works on CPU through the plugin's stand-ins (serving/cpu_grammar.py); with "none"
 # a json_schema request got HTTP 400.
+# SGLang's warm-up request runs before /health answers 200 (no --skip-server-warmup): a target / drafter pair our
+# worker cannot serve stops the start there, never at a user's first request (issue #31). --sleep-on-idle: an idle
+# scheduler would otherwise busy-poll a whole core of the user's machine.
 CPU_ARGS = ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
             "--sampling-backend", "pytorch", "--max-total-tokens", "8192", "--mem-fraction-static", "0.5",
-            "--grammar-backend", "xgrammar", "--skip-server-warmup"]
+            "--grammar-backend", "xgrammar", "--sleep-on-idle"]
 CPU_DRAFT_BACKEND = "torch_native"
 GPU_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
 GPU_DRAFT_BACKEND = "triton"

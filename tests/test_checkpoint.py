@@ -87,6 +87,53 @@ def test_bad_checkpoints_name_the_problem(tmp_path, target):
         load_drafter(tmp_path, target_config=other.config)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, target, bad):
+    """A drafter whose weights hold NaN or inf never loads (served, it would silently draft garbage): the error
+    names the tensor, the count, the file and the fix. The same check (`check_finite`) runs in SGLang's draft model
+    loader (tests/test_drafter_parity.py)."""
+    drafter = tiny_drafter(target.config)
+    save_drafter(drafter, tmp_path, dtype=torch.bfloat16)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["layers.0.mlp.up_proj.weight"].view(-1)[[3, 7]] = bad
+    save_file(state, str(tmp_path / "model.safetensors"))
+    kind = "2 NaN and 0 inf" if bad != bad else "0 NaN and 2 inf"
+    with pytest.raises(DFlashConfigError, match=f"layers.0.mlp.up_proj.weight.*{kind}.*model.safetensors.*Fix: "
+                                                "the checkpoint is corrupt"):
+        load_drafter(tmp_path)
+
+
+def test_cut_or_padded_safetensors_files_are_refused_naming_the_file(tmp_path, target):
+    """A safetensors file that is not as long as its header says (a cut download at any point, or bytes appended)
+    is refused by `check_safetensors_file` (headers only: start-up's check) and by the loader, naming the file and
+    the fix, never with safetensors' own message; a shard the index names but the directory lacks, too."""
+    from sglang_dflash.checkpoint import check_safetensors_file
+
+    drafter = tiny_drafter(target.config)
+    save_drafter(drafter, tmp_path / "whole")
+    whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(whole[:8], "little")
+    check_safetensors_file(tmp_path / "whole" / "model.safetensors")
+    cuts = {"header length": 5, "header": header_end - 10, "first tensor": header_end + 3,
+            "last byte": len(whole) - 1, "empty": 0}
+    for what, n in cuts.items():
+        (tmp_path / what).mkdir()
+        (tmp_path / what / "config.json").write_text((tmp_path / "whole" / "config.json").read_text())
+        f = tmp_path / what / "model.safetensors"
+        f.write_bytes(whole[:n])
+        with pytest.raises(DFlashConfigError, match=f"{f}.*truncated.*Fix: download the drafter again"):
+            check_safetensors_file(f)
+        with pytest.raises(DFlashConfigError, match=f"{f}.*truncated"):
+            load_drafter(tmp_path / what)
+    f.write_bytes(whole + b"\0" * 16)
+    with pytest.raises(DFlashConfigError, match="16 bytes past its last tensor.*Fix"):
+        load_drafter(tmp_path / what)
+    save_drafter(drafter, tmp_path / "sharded", max_shard_bytes=40_000)
+    next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(DFlashConfigError, match="model-00002-of-.*is missing.*Fix: download the drafter again"):
+        load_drafter(tmp_path / "sharded")
+
+
 # ---------------------------------------------------------------------------------------------------------- DFlash2
 def test_dflash2_round_trip_in_the_published_layout(tmp_path, target):
     """Saved with the published names (bare codebooks, as z-lab publishes and SGLang loads them), loaded bit for bit,

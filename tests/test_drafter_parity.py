@@ -138,7 +138,7 @@ def run_in_cpu_engine(test_file: str, tmp_path) -> str:
 @pytest.mark.skipif(IN_CPU_ENGINE, reason="this is the subprocess")
 def test_parity_in_sglang_cpu_engine(tmp_path):
     out = run_in_cpu_engine(__file__, tmp_path)
-    assert "8 passed, 1 skipped" in out, out[-2000:]  # every check ran: 4 per drafter, 2 drafters
+    assert "10 passed, 1 skipped" in out, out[-2000:]  # every check ran: 5 per drafter, 2 drafters
 
 
 @in_cpu_engine
@@ -213,3 +213,17 @@ def test_features_of_the_wrong_width_stop_with_the_widths_and_the_fix(pair):
     with pytest.raises(RuntimeError, match=f"Qwen3_5MoeForCausalLM handed the drafter {cfg.hidden_size} features.*"
                                            f"final hidden state.*Fix"):
         model.write_context_kv(one_layer, torch.arange(3), torch.arange(3), DictKVPool())
+
+
+@in_cpu_engine
+def test_served_loader_refuses_a_non_finite_weight_naming_it(pair):
+    """SGLang's draft model loads through its own load_weights: a NaN or inf tensor stops it with the plain loader's
+    error (checkpoint.check_finite), naming the tensor as the checkpoint spells it."""
+    from sglang_dflash.config import DFlashConfigError
+
+    _, _, drafter, model = pair
+    for bad in (float("nan"), float("inf")):
+        state = {f"model.{k}": v.clone() for k, v in drafter.state_dict().items()}
+        state["model.layers.0.self_attn.k_proj.weight"][0, 1] = bad
+        with pytest.raises(DFlashConfigError, match=r"model.layers.0.self_attn.k_proj.weight.*\d NaN and \d inf.*Fix"):
+            model.load_weights(state.items())

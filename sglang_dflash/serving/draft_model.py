@@ -339,7 +339,11 @@ class DFlashDraftModel(nn.Module):
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         params = dict(self.named_parameters())
         loaded = set()
+        from ..checkpoint import check_finite  # THE finite check of the plain loader (NaN / inf refused, named)
+
+        source = getattr(self.config, "name_or_path", None) or "the drafter checkpoint"
         for name, tensor in weights:
+            check_finite(name, tensor, source)
             if name.startswith("model."):
                 name = name[len("model."):]
             name = {"encoder.fc.weight": "fc.weight",

@@ -11,7 +11,10 @@ SGLang model of draft_model.py plus what DFlash2 adds, taken from the algorithm 
   ``DFlashDrafter.propose`` on the served hidden states.
 
 Plain tensor ops throughout, so SGLang's draft CUDA graphs can capture the forward and the head. The worker drafts
-with ``greedy_drafts`` (the selector's argmax path) for every request. One process of the vocabulary: ``propose``
+batches of greedy requests with ``greedy_drafts`` (the selector's argmax path; inside the draft CUDA graph too), and
+batches with sampled requests with ``propose`` at each row's temperature (0 for greedy rows: drawn from q where it is
+> 0; eager, also after a graph replay), keeping the candidates and q for ``acceptance.verify_sampled_q``. One process
+of the vocabulary: ``propose``
 needs the whole row of draft logits for its top-K (under a vocabulary-sharded lm_head: a global top-K from each
 rank's, not done; refused at start-up at --tp-size > 1). ``tests/test_drafter2_parity.py``: equal to the plain
 drafter.
@@ -73,9 +76,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor_ids, temperature, generator)
 
     def greedy_drafts(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """The worker's draft head: the selector's argmax path from each block's bonus token, [bs * k] tokens. Every
-        request, greedy or sampled, gets these point-mass drafts, so the worker's point-mass acceptance rules stay
-        exact (a sampled request's drafts drawn from q would be accepted more often; not wired yet)."""
+        """The worker's draft head for batches of greedy requests (and the one the draft CUDA graphs record): the
+        selector's argmax path from each block's bonus token, [bs * k] point-mass tokens. Batches with sampled rows
+        go through ``propose`` with their temperatures instead (drafts drawn from q, verified with min(1, p/q))."""
         return self.propose(hidden, anchor_ids).tokens.reshape(-1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):

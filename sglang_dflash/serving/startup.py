@@ -175,6 +175,17 @@ def load_draft_config(server_args) -> DFlashConfig:
     return DFlashConfig.load(path)
 
 
+def check_draft_weight_files(path: str) -> None:
+    """Every *.safetensors file of the drafter is whole (header parsed, size = the header's last byte): a cut
+    download stops the launcher here, naming the file and the fix, before any model loads, instead of failing
+    later in a scheduler with safetensors' own message. Reads the headers only (`checkpoint.check_safetensors_file`;
+    the NaN / inf check runs as the weights load)."""
+    from ..checkpoint import check_safetensors_file, weight_files
+
+    for f in weight_files(path):
+        check_safetensors_file(f)
+
+
 def _target_config(server_args):
     cfg_file = Path(server_args.model_path) / "config.json"
     if cfg_file.is_file():
@@ -246,6 +257,7 @@ def handle_dflash_args(original, server_args) -> None:
     server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
     check_attention_architecture(server_args)
     cfg = load_draft_config(server_args)
+    check_draft_weight_files(server_args.speculative_draft_model_path)
     cfg.validate_against_target(_target_config(server_args))
     check_mask_token(cfg, server_args)
 

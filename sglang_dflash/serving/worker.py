@@ -6,10 +6,12 @@ worker owns one model step:
 
     prefill  target extend with hidden capture -> first token (SGLang's sampler) -> the prompt's draft context K/V
     decode   width   k = how many drafts this step verifies (0..B-1): the adaptive policy (width_control.py)
-             draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 greedy drafts (skipped if k = 0)
+             draft   one drafter pass over [bonus, MASK x (B-1)]             -> B-1 drafts (skipped if k = 0):
+                     the argmax head; a DFlash2 drafter draws sampled rows' drafts from its selector's q
              verify  one target pass over [bonus, d_1..d_k], hidden capture  -> logits [bs, k+1, V]
              process penalties, min_new_tokens, grammar, logit_bias per row   (controls.py; exact per position)
              accept  acceptance.verify_greedy / verify_sampled(_logits)       -> commit_lens, tokens
+                     / verify_sampled_q (drafts drawn from q)
                      (greedy: rule + the step's outputs in one launch on the GPU, kernels/greedy_accept.py)
              commit  write context K/V of the k+1 verified rows, INSIDE the verify forward (context_commit.py:
                      captured in the verify CUDA graphs, no launches of its own); rows past commit_len are
@@ -32,7 +34,8 @@ import logging
 
 import torch
 
-from ..acceptance import verify_sampled, verify_sampled_logits
+from ..acceptance import verify_sampled, verify_sampled_logits, verify_sampled_q
+from ..dflash2 import DraftBlock
 from ..kernels.block_inputs import block_inputs_torch
 from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch
 from ..sampling import SamplingTensors, processed_probs
@@ -124,6 +127,7 @@ class DFlashWorker(BaseSpecWorker):
         self._plain_cache_loc = torch.empty((cap, 1), dtype=torch.int64, device=dev)
         self._graph_drafts = torch.empty((cap, B - 1), dtype=torch.int64, device=dev)  # the draft graphs' head output
         self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
+        self._logged_q_drafts = False  # the first step drawing DFlash2 drafts from q says so in the log, once
         # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
         # their torch twins on CPU
         self._fill_block_inputs, self._greedy_accept = block_inputs_torch, greedy_accept_torch
@@ -230,6 +234,7 @@ class DFlashWorker(BaseSpecWorker):
             return self._decode_step(batch, on_publish, grammar_barrier)
 
     def _prefill(self, batch, on_publish):
+        self._controls.before_prefill(batch)  # a retracted request's penalties cover its earlier output
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         features = out.logits_output.hidden_states
         if features is None:
@@ -266,15 +271,18 @@ class DFlashWorker(BaseSpecWorker):
         W = k + 1
         self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
-        # 1) draft: one drafter pass over [bonus, MASK...], greedy drafts for positions 1..B-1 (none when k = 0)
+        # 1) draft: one drafter pass over [bonus, MASK...], drafts for positions 1..k (none when k = 0): point
+        #    masses, except a DFlash2 drafter's for sampled rows, drawn from its selector's q (kept for the accept)
         block_lens = None  # host-side lengths of a full block: the draft's, and the full-width verify's
+        draft = None
         if k > 0:
             block_lens = self._host_lens(batch, state, B)
             verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
             block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs, verify_ids)
             with _phase("dflash.draft"):
-                drafts = self._draft(batch, block_ids, positions, cache_loc, prefix, block_lens, bs, k)
-            verify_ids[:, 1:] = drafts
+                draft = self._draft(batch, block_ids, positions, cache_loc, prefix, block_lens, bs, k,
+                                    self._draft_temperature(batch))
+            verify_ids[:, 1:] = draft.tokens
             # contiguous: a [bs, W] slice of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
             positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
         else:  # a plain step verifies the bonus alone: no block inputs (its host time is what it costs over a plain
@@ -290,14 +298,15 @@ class DFlashWorker(BaseSpecWorker):
             logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, verify_lens, bs, W)
             verify_backend = self.model_runner.attn_backend  # this width's (verify_widths.py)
 
-        # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches)
-        #    on the rows processed as plain decoding would (penalties, min_new_tokens, grammar, logit_bias: each row
-        #    with the state behind its own drafted prefix), then the controls' state advances over what was committed
+        # 3) accept: the foundation's rules (greedy rows are a point mass, so one sampled call serves mixed batches;
+        #    drafts drawn from q are accepted with min(1, p/q)) on the rows processed as plain decoding would
+        #    (penalties, min_new_tokens, grammar, logit_bias: each row with the state behind its own drafted prefix),
+        #    then the controls' state advances over what was committed
         with _phase("dflash.accept"):
             logits, pending = self._controls.process(batch, logits.view(bs, W, -1), verify_ids, grammar_chain,
                                                      grammar_barrier)
             commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens = self._accept(batch, verify_ids, logits,
-                                                                                          prefix)
+                                                                                          prefix, draft)
             self._controls.commit(pending, tokens, commit_lens)
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); a
         #    hybrid target's recurrent state is set to the state after the committed tokens; publish
@@ -340,8 +349,22 @@ class DFlashWorker(BaseSpecWorker):
             return None, None
         return lens, int(lens.sum())
 
-    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k):
-        """Greedy drafts [bs, k] for block positions 1..k (the pass itself always covers the whole block)."""
+    def _draft_temperature(self, batch):
+        """[bs] float32: the temperature DFlash2's selector draws each row's drafts at (0: its argmax path), or None
+        when every draft is a point mass: DFlash drafters (their head is the argmax whatever the request), and
+        batches without a sampled row (SGLang's host-side flag: no sync). Greedy rows of a mixed batch get 0, as
+        the reference engine's greedy requests do (reference/engine.propose_step takes the same [n] temperatures)."""
+        info = batch.sampling_info
+        if not self.cfg.is_dflash2 or info is None or info.is_all_greedy:
+            return None
+        # SGLang encodes a greedy request as top_k = 1 at temperature 1: its target is a point mass on the argmax,
+        # which the argmax path drafts best
+        return torch.where(info.top_ks.reshape(-1) <= 1, 0.0, info.temperatures.reshape(-1).float())
+
+    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k, temperature):
+        """The drafts of block positions 1..k (the pass itself always covers the whole block), a DraftBlock of [bs, k]
+        tokens: point masses where temperature (``_draft_temperature``) is None; else the DFlash2 selector's path,
+        drawn from q at each row's temperature, with the candidates and q the accept needs."""
         seq_lens_cpu, seq_lens_sum = host_lens
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
@@ -351,14 +374,30 @@ class DFlashWorker(BaseSpecWorker):
             spec_info=self._draft_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
         with torch.inference_mode():
             out = self.draft_runner.forward(fb)
-        if out.can_run_graph and getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None) in self._graph_head_bs:
-            return self._graph_drafts[:bs, :k]  # computed by the replayed graph (_capture_draft_head)
+        graph_head = (out.can_run_graph
+                      and getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None) in self._graph_head_bs)
+        if graph_head and temperature is None:
+            return DraftBlock(self._graph_drafts[:bs, :k])  # computed by the replayed graph (_capture_draft_head)
+        # The draft graphs record the argmax head only. A DFlash2 batch with sampled rows runs its head eagerly on
+        # the replayed graph's hidden states (the graph's argmax drafts are left unread): drawing from q inside the
+        # graph would need the rows' temperatures in a static buffer and the draws captured, not done yet. The cost:
+        # the selector's walk, a few launches per block position, in sampled DFlash2 steps only.
         hidden = out.logits_output.hidden_states
         # Contiguous 2-D rows for the lm_head: a strided 3-D view sent cuBLAS to a kernel 20x slower (profiled:
         # 14 ms of a 38 ms step at bs=32 on an 8B-shaped pair).
         # Only the k rows that will be verified go through the lm_head (its [V, H] read dominates at small batch).
         hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:k + 1].reshape(bs * k, -1)
-        return self.draft_model.greedy_drafts(hidden, block_ids[:, 0]).view(bs, k)
+        anchors = block_ids[:, 0]  # the blocks' bonus tokens, where DFlash2's selector path starts
+        if temperature is None:
+            return DraftBlock(self.draft_model.greedy_drafts(hidden, anchors).view(bs, k))
+        if not self._logged_q_drafts:
+            self._logged_q_drafts = True
+            logger.info("sglang-dflash: DFlash2 drafts of sampled requests drawn from the selector's q, verified with "
+                        "min(1, p/q) (draft head eager in these steps)")
+        # THE draft head of the reference engine (DFlashDrafter.propose: CandidateSelector.walk), one definition. The
+        # draws are this rank's own: DFlash2 is refused at --tp-size > 1 (startup.py), where ranks would verify
+        # different drafts
+        return self.draft_model.propose(hidden, anchors, temperature)
 
     def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs, width):
         vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),
@@ -383,13 +422,15 @@ class DFlashWorker(BaseSpecWorker):
         lo.hidden_states = None  # consumed inside the forward; never shipped to the host
         return lo.next_token_logits[:bs * width], graphed
 
-    def _accept(self, batch, verify_ids, logits, prefix):
+    def _accept(self, batch, verify_ids, logits, prefix, draft):
         """(commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens) of the step: the acceptance rule, then
-        the outputs SGLang's scheduler reads (kernels/greedy_accept.commit_outputs defines them)."""
+        the outputs SGLang's scheduler reads (kernels/greedy_accept.commit_outputs defines them). ``draft``: the
+        step's DraftBlock (None at k = 0); its q, when set, is the distribution the drafts were drawn from."""
         info = batch.sampling_info
         if info is None or info.is_all_greedy:  # the rule and the outputs in one launch on the GPU (k = 0 too)
             return self._greedy_accept(logits.argmax(dim=-1), verify_ids[:, 1:], prefix)
-        commit_lens, tokens = self._rank0_outcome(*self._sampled(info, verify_ids[:, 1:], logits))
+        drawn_from = draft if draft is not None and draft.q is not None else None
+        commit_lens, tokens = self._rank0_outcome(*self._sampled(info, verify_ids[:, 1:], logits, drawn_from))
         return (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
 
     def _rank0_outcome(self, commit_lens, tokens):
@@ -404,7 +445,9 @@ class DFlashWorker(BaseSpecWorker):
         group.broadcast(packed, src=0)
         return packed[:, 0].to(commit_lens.dtype), packed[:, 1:].to(tokens.dtype)
 
-    def _sampled(self, info, drafts, logits):
+    def _sampled(self, info, drafts, logits, drawn_from=None):
+        """The sampled rule for the batch: point-mass drafts (drawn_from None) by verify_sampled(_logits); drafts
+        drawn from q (drawn_from = their DraftBlock: candidates, q) by verify_sampled_q."""
         bs, B, V = logits.shape
         # SGLang encodes greedy as top_k = 1 (temperature 1): processed_probs then gives the argmax point mass.
         s = SamplingTensors(temperature=info.temperatures.reshape(-1).float(),
@@ -412,12 +455,17 @@ class DFlashWorker(BaseSpecWorker):
                             top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
         # SGLang's host-side flags say whether any row filters (greedy rows, top_k = 1, count as filtering)
         filtered = bool(info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling)
-        if not filtered:
+        if not filtered and drawn_from is None:
             # Every row samples softmax(logits / T) (no greedy rows either: those are top_k = 1): the same rule on
             # the logits, without the [bs x B, V] float32 probabilities (tests/test_acceptance_logits.py: same law).
             return verify_sampled_logits(drafts, logits, s.temperature)
-        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B)).view(bs, B, V)
-        return verify_sampled(drafts, probs)
+        probs = processed_probs(logits.reshape(bs * B, V), s.repeat_interleave(B), filtered).view(bs, B, V)
+        if drawn_from is None:
+            return verify_sampled(drafts, probs)
+        # Drafts drawn from q (DFlash2, sampled rows; greedy rows' q is one-hot, which gives verify_sampled's rule):
+        # accept d with min(1, p(d) / q(d)), on rejection draw from (p - q)+; the dense probabilities, as no
+        # logits-only form of this rule exists yet
+        return verify_sampled_q(drafts, probs, drawn_from.candidates, drawn_from.q)
 
 
 def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:

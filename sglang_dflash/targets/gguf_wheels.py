@@ -8,7 +8,9 @@ checkpoint directory hold. `write_checkpoint` writes what SGLang 0.5.17 loads wi
 
 Pitfalls handled here:
 - `save_pretrained` refuses a GGUF-loaded model while it carries a quantization marker; we write safetensors
-  ourselves (tied embeddings: no lm_head tensor).
+  ourselves: no lm_head tensor when the head is tied to the embedding (the GGUF has no `output.weight`), and the
+  GGUF's own head when it has one (tying it would change the target's logits: a Qwen2.5-Coder-0.5B GGUF's head
+  differs from its embedding by up to 0.008).
 - transformers 5 writes only `rope_parameters`; older readers then fall back to rope_theta 10000, so the caller
   passes the `rope_theta` to write explicitly.
 """
@@ -112,18 +114,28 @@ def load_checkpoint_or_gguf(hf_dir, gguf_loader, dtype: torch.dtype, device):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def head_is_tied(model) -> bool:
+    """Whether the model's output head is its input embedding (one tensor). transformers ties the two for a GGUF
+    exactly when the file has no `output.weight` (its `tie_word_embeddings`), and loads that tensor as lm_head
+    otherwise."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is None or head.weight.data_ptr() == embed.weight.data_ptr()
+
+
 def write_checkpoint(model, tokenizer, out: Path, rope_theta: float, config_updates: dict,
                      generation_config: dict) -> Path:
-    """config.json (with rope_theta), bf16 model.safetensors (tied: no lm_head), tokenizer, generation_config.json.
+    """config.json (with rope_theta), bf16 model.safetensors, tokenizer, generation_config.json. The head as the GGUF
+    has it (`head_is_tied`): tied, no lm_head tensor; its own `output.weight`, written as lm_head.weight.
     model.safetensors is written last, atomically: its presence marks a finished conversion."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = head_is_tied(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors.part"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg["rope_theta"] = float(rope_theta)
-    cfg.update(torch_dtype="bfloat16", dtype="bfloat16", tie_word_embeddings=True, **config_updates)
+    cfg.update(torch_dtype="bfloat16", dtype="bfloat16", tie_word_embeddings=tied, **config_updates)
     for k in ("quantization_config", "_model_name_or_path"):
         cfg.pop(k, None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -55,6 +55,10 @@ def cpu_server_env(stub_dir: str | Path, extra: dict | None = None) -> dict:
     return env
 
 
+# --sleep-on-idle: an idle SGLang scheduler otherwise busy-polls a whole core (measured: 0.5-1.0 core, 0.01 with
+# it); on the 2-core CI machine every idle server (the shared baseline between comparisons, a test's plain server
+# while its DFLASH server answers) halved the CPU left for the server under test. Wakes on the request's message.
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "8192",
                    "--max-running-requests", "24", "--disable-overlap-schedule", "--grammar-backend", "none",
-                   "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.5"]
+                   "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.5",
+                   "--sleep-on-idle"]

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..serving.plugin import WORKER_ENV
 
-__all__ = ["WORKER_ENV", "Server", "free_port", "launch_server", "server_argv", "worker_env"]
+__all__ = ["WORKER_ENV", "Server", "free_port", "launch_server", "port_in_use", "process_tree", "server_argv",
+           "worker_env"]
 
 
 def free_port() -> int:
@@ -37,6 +38,31 @@ def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         return s.connect_ex((host, port)) == 0
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and every process descended from it (by parent PID, read from /proc), or also sharing its process group:
+    what must be gone once a server is stopped. Linux only; [] where /proc cannot be read."""
+    parents, groups = {}, {}
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state, ppid, pgrp, ...
+            parents[int(d)], groups[int(d)] = int(fields[1]), int(fields[2])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree = {pid} if pid in parents else set()
+    grew = True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in tree and p not in tree}
+        tree |= new
+        grew = bool(new)
+    return sorted(tree | {p for p, g in groups.items() if g == pid})
 
 
 def server_argv(model_path: str | Path, port: int, host: str = "127.0.0.1", args: list[str] = (),

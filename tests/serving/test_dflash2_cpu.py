@@ -3,14 +3,22 @@ with the candidate selector exactly as the reference engine does.
 
 The drafter is the trained tiny drafter of the serving tests turned DFlash2 (`targets.tiny.as_dflash2`: its backbone,
 identity convolutions, a random selector whose transitions reorder the candidates now and then), saved in the
-published layout. The worker drafts every request with the selector's argmax path (point-mass drafts, verified by
-the same exact rules as DFlash). Checked, full block every step (compare.FULL_BLOCK), overlap on:
+published layout. The worker drafts greedy requests with the selector's argmax path (point-mass drafts, verified by
+the same exact rules as DFlash) and, in batches with sampled requests, draws those requests' drafts from the
+selector's q at their temperature (verified with min(1, p/q): acceptance.verify_sampled_q; its law at the worker's
+accept is tests/serving/test_worker_q_drafts_cpu.py). Checked, full block every step (compare.FULL_BLOCK), overlap
+on:
 - greedy outputs of concurrent requests equal the plain server's token for token (no tie excused), with multi-token
   commits;
 - per prompt, the server's verify steps equal the reference engine's with the same DFlash2 drafter (one step of
   slack: SGLang does not count a request's finishing step), and the same drafter without its selector (plain argmax
   drafts) needs clearly different step counts on these prompts, so a server that skipped the selector would fail;
-- a sampled request completes and its tokens lie in the target's processed support.
+- a mixed batch of concurrent greedy and seeded sampled requests (temperature, top-p, top-k, min-p): the server says
+  it drew drafts from q, every sampled request completes with tokens in the target's processed support and some
+  multi-token commits, and the greedy requests beside them still equal plain decoding token for token.
+Cannot show: the sampled law through the server (the worker's draws come from the process's generator, not the
+request's seed; the law is tested at the worker's accept), CUDA graphs (CPU: eager; on the GPU a sampled DFlash2
+batch runs its draft head eagerly after the graph replay, tests/serving/test_draft_head_cpu.py).
 """
 
 from __future__ import annotations
@@ -93,11 +101,26 @@ def test_dflash2_greedy_equals_plain_and_drafts_like_the_reference(dflash2):
     assert "DFlash2DraftModel" in log, "the server did not build the DFlash2 draft model"
 
 
-def test_dflash2_sampled_request_lies_in_the_targets_support(dflash2):
+SAMPLED = [{"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0}, {"temperature": 0.6, "top_k": 20},
+           {"temperature": 1.2, "min_p": 0.05}]
+
+
+def test_dflash2_mixed_batch_draws_sampled_drafts_from_q(dflash2):
     base, spec, vocab = dflash2["base"], dflash2["spec"], dflash2["vocab"]
-    prompt = random_prompts(4, vocab, seed=44)[0]
-    params = {"temperature": 0.8, "top_p": 0.9}
-    r = generate(spec, {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, "sampling_seed": 5,
-                                                                  **params}})
-    assert r.get("output_ids"), r
-    assert_valid_sample(base, prompt, r["output_ids"], vocab, **params)
+    prompts = random_prompts(48, vocab, seed=TRAIN_PROMPT_SEED)[8:8 + 2 * len(SAMPLED)]
+    greedy_prompts, sampled_prompts = prompts[:len(SAMPLED)], prompts[len(SAMPLED):]
+    with cf.ThreadPoolExecutor(max_workers=3 * len(SAMPLED)) as pool:  # one batch on the DFLASH server
+        sampled_f = [pool.submit(generate, spec, {"input_ids": p, "sampling_params": {
+            "max_new_tokens": MAX_TOKENS, "sampling_seed": 5 + i, **params}})
+            for i, (p, params) in enumerate(zip(sampled_prompts, SAMPLED))]
+        spec_f = [pool.submit(greedy, spec, p, MAX_TOKENS) for p in greedy_prompts]
+        base_f = [pool.submit(greedy, base, p, MAX_TOKENS) for p in greedy_prompts]
+        sampled, spec_out, base_out = ([f.result() for f in fs] for fs in (sampled_f, spec_f, base_f))
+    log = spec.log_path.read_text(errors="replace")
+    assert "drawn from the selector's q" in log, "no DFlash2 step drew its sampled rows' drafts from q"
+    check_all(base, greedy_prompts, [b["output_ids"] for b in base_out], [s["output_ids"] for s in spec_out],
+              MAX_TOKENS, max_excused_prompts=0)
+    for prompt, params, r in zip(sampled_prompts, SAMPLED, sampled):
+        assert r.get("output_ids"), r
+        assert_valid_sample(base, prompt, r["output_ids"], vocab, **params)
+    assert_multi_token([r["meta_info"] for r in sampled], "sampled requests with q-drawn DFlash2 drafts")

@@ -1,5 +1,6 @@
 """The greedy draft head inside the draft CUDA graph (DFlashWorker._capture_draft_head) drafts what the eager head
-drafts, and DFlashWorker._draft reads the graph's drafts only from a replay of a graph that computed them.
+drafts, and DFlashWorker._draft reads the graph's drafts only from a replay of a graph that computed them, and never
+for a DFlash2 batch with sampled rows (whose drafts are drawn from q by the eager head, after the replay).
 
 The hook is what SGLang's graph runner calls at the end of every draft-graph capture (``capture_tail_hooks``); on
 the GPU its ops are recorded and replayed with the graph. Here it is called directly on CPU tensors, as at capture,
@@ -43,10 +44,11 @@ def eager_drafts(hidden, head, bs, k):
     return (rows @ head.T).argmax(-1)
 
 
-def draft(me, bs, k):
+def draft(me, bs, k, temperature=None):
+    """The drafts [bs, k] of _draft (temperature None: point masses; else the stand-in's propose draws them)."""
     z = torch.zeros((bs, B), dtype=torch.int64)
     batch = SimpleNamespace(req_pool_indices=torch.arange(bs))
-    return worker.DFlashWorker._draft(me, batch, z, z, z, torch.full((bs,), 5), (None, None), bs, k)
+    return worker.DFlashWorker._draft(me, batch, z, z, z, torch.full((bs,), 5), (None, None), bs, k, temperature).tokens
 
 
 @pytest.mark.parametrize("bs,padded", [(1, 1), (3, 4)])
@@ -84,3 +86,25 @@ def test_large_batches_keep_the_eager_head(monkeypatch):
     monkeypatch.setattr(worker, "GRAPH_HEAD_MAX_ROWS", 10_000)
     worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=big), _batch((CAP + 1) * B), (CAP + 1) * B)
     assert CAP + 1 not in me._graph_head_bs
+
+
+def test_sampled_dflash2_batch_drafts_eagerly_after_a_graph_replay():
+    """The graphs record the argmax head only: a batch whose drafts are drawn from q (a temperature is given) must
+    not read them, even from a replay of a graph that computed them, but run the eager propose on the replay's
+    hidden states (the rows of block positions 1..k) with the rows' temperatures."""
+    hidden = torch.randn(4 * B, H)
+    me, head = stand_in(hidden, replayed_bs=4)
+    worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=hidden), _batch(4 * B), 4 * B)
+    assert me._graph_head_bs == {4}
+    seen = {}
+
+    def propose(rows, anchors, temperature):
+        seen.update(rows=rows, temperature=temperature)
+        return worker.DraftBlock((rows @ head.T).argmax(-1).view(anchors.shape[0], -1) + 1)  # not the graph's
+
+    me.draft_model.propose, me._logged_q_drafts = propose, False
+    temperature = torch.tensor([0.0, 0.7, 1.2])
+    got = draft(me, 3, 2, temperature)
+    assert torch.equal(got, eager_drafts(hidden, head, 3, 2) + 1)
+    assert torch.equal(seen["rows"], hidden[:3 * B].view(3, B, H)[:, 1:3].reshape(6, H))
+    assert seen["temperature"] is temperature and me._logged_q_drafts

@@ -59,6 +59,14 @@ def _variant(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
+def _truncated(src: Path, dst: Path) -> Path:
+    """A copy of the drafter whose model.safetensors lost its last 1,000 bytes (a cut download)."""
+    dst = _variant(src, dst)
+    f = dst / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    return dst
+
+
 @pytest.fixture(scope="module")
 def pair(dflash_pair):
     return dflash_pair[:3]
@@ -80,6 +88,7 @@ EXPECT = {
     "dp_attention": "--enable-dp-attention",
     "tp_heads": "cannot be split over --tp-size 3",
     "context": "exceeds the drafter's 1024",
+    "truncated": "model.safetensors'",  # the file named (then "is truncated ... Fix: download the drafter again")
     "arch": "--attention-backend trtllm_mha: SGLang",  # ours, before SGLang's own check of it (no fix named)
 }
 
@@ -99,6 +108,7 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
         "tp_heads": _argv(target, draft, "--tp-size", "3"),  # the drafter has 4 heads
         "context": _argv(target, _variant(draft, tmp_path / "context", max_position_embeddings=1024)),
         "tp2": _argv(target, draft, "--tp-size", "2"),
+        "truncated": _argv(target, _truncated(draft, tmp_path / "truncated")),
         "arch": _argv(target, draft, "--attention-backend", "trtllm_mha"),  # the seeds' Qwen3.5 target backend
     }
     env = dict(os.environ, SGLANG_ENABLE_SPEC_V2="1", SGLANG_ENABLE_DFLASH_SPEC_V2="1")
@@ -109,6 +119,7 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
     results = json.loads(line[0][len("RESULTS"):])
     assert results["good"] == "OK", results["good"]
     assert results["tp2"] == "OK", results["tp2"]
+    assert "is truncated" in results["truncated"] and "download the drafter again" in results["truncated"]
     for name, needle in EXPECT.items():
         assert results[name] != "OK", f"{name}: accepted, should be refused"
         assert needle in results[name], f"{name}: message does not name the value: {results[name]}"

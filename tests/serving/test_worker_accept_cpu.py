@@ -92,7 +92,7 @@ def run_accept(rows, drafts, logits, monkeypatch, bug=None):
     verify_ids = torch.cat([torch.zeros(n, 1, dtype=drafts.dtype), drafts], dim=1)  # [bonus, drafts]
     prefix = torch.arange(n) + 10
     commit, tokens, next_ids, bonus, accept_lens, new_lens = worker.DFlashWorker._accept(
-        me, SimpleNamespace(sampling_info=sampling_info(rows)), verify_ids, logits, prefix)
+        me, SimpleNamespace(sampling_info=sampling_info(rows)), verify_ids, logits, prefix, None)
     # the step's outputs follow from (commit, tokens) by their one definition, whichever path made them
     for got, want in zip((next_ids, bonus, accept_lens, new_lens), commit_outputs(commit, tokens, prefix)):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -172,7 +172,8 @@ ACCEPT_BUGS = {
     "logits rule ignores temperature": ("verify_sampled_logits(drafts, logits, s.temperature)",
                                         "verify_sampled_logits(drafts, logits, torch.ones_like(s.temperature))",
                                         "sampled, no filter"),
-    "logits rule for filtered batches too": ("if not filtered:", "if True:", "filters"),
+    "logits rule for filtered batches too": ("if not filtered and drawn_from is None:", "if drawn_from is None:",
+                                             "filters"),
 }
 
 
@@ -182,3 +183,4 @@ def test_mutant_in_the_logits_branch_is_caught(bug, monkeypatch):
     with pytest.raises(AssertionError) as caught:
         check_mapping(CASES[case], monkeypatch, (old, new))
     assert "did not go through" not in str(caught.value)  # caught by the comparison, not by a spy that missed
+    assert "mutation site" not in str(caught.value)  # planted: the site still exists in _sampled
