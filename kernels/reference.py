@@ -3,6 +3,11 @@
 ``verify_attention_reference`` is the function ``verify_attention.verify_attention`` computes (see that module's
 docstring for the maths); it walks requests one at a time and computes in float32 (float64 for float64 inputs), so
 it is the yardstick for the Triton kernel on CPU (interpreter) and GPU alike.
+
+Tree mode (``tree_parents`` given, issue #38): the block is a draft tree instead of a chain. ``tree_parents``
+[N] holds, for each block token, its parent's index inside its own request's block (-1 for the root, and
+parents[i] < i). Block token i then sits at position P + depth(i) and attends to the whole prefix plus its
+ancestors and itself (``causal`` is ignored: the tree mask replaces it); a window counts in those positions.
 """
 
 from __future__ import annotations
@@ -18,10 +23,22 @@ def gather_pool_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return buf[slots // page, slots % page]
 
 
+def tree_block_mask(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's block-local parents [L] (root -1, parents[i] < i) -> (ancestors-and-self [L, L] bool, depth [L])."""
+    n = len(parents)
+    allowed = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            allowed[i] |= allowed[p]
+            depth[i] = depth[p] + 1
+    return allowed, depth
+
+
 def verify_attention_reference(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
                                sm_scale: float, causal: bool = True, window_left: int = -1, logit_cap: float = 0.0,
                                k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
-                               **_launch_only) -> torch.Tensor:
+                               tree_parents: torch.Tensor | None = None, **_launch_only) -> torch.Tensor:
     """Reference of ``verify_attention`` (launch-only keywords such as ``max_q_len`` / ``max_splits`` are ignored)."""
     n_tok, hq, _ = q.shape
     hkv, dv = k_extend.shape[1], v_extend.shape[-1]
@@ -45,10 +62,13 @@ def verify_attention_reference(q, k_extend, v_extend, k_buffer, v_buffer, qo_ind
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].to(acc), keys) * sm_scale
         if logit_cap and logit_cap > 0:
             scores = logit_cap * torch.tanh(scores / logit_cap)
-        q_pos = n_p + torch.arange(n_q).unsqueeze(1)                      # [L, 1]
-        k_pos = torch.arange(n_p + n_q).unsqueeze(0)                     # [1, P + L]
+        block_pos = torch.arange(n_q)
         allowed = torch.ones(n_q, n_p + n_q, dtype=torch.bool)
-        if causal:
+        if tree_parents is not None:                                      # prefix + ancestors and self
+            allowed[:, n_p:], block_pos = tree_block_mask(tree_parents[q0:q1].cpu())
+        q_pos = (n_p + block_pos).unsqueeze(1)                           # [L, 1]
+        k_pos = torch.cat([torch.arange(n_p), n_p + block_pos]).unsqueeze(0)  # [1, P + L]
+        if causal and tree_parents is None:
             allowed &= k_pos <= q_pos
         if window_left is not None and window_left >= 0:
             allowed &= (q_pos - k_pos) <= window_left

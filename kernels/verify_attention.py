@@ -36,6 +36,13 @@ contexts at small batch use few SMs. Here:
   and the combine skips it: the fp32 partials cost as much memory traffic as the K/V reads at short contexts.
 * softmax runs in base 2 (``exp2``, scores pre-multiplied by log2(e)); LSEs are base-2 throughout.
 
+Tree mode (``tree_parents`` [N], issue #38): the block is a draft tree; each block token's parent index inside its
+request's block (-1 for the root, parents[i] < i). Block token i sits at position P_b + depth(i) and its allowed
+block keys are its ancestors and itself (``causal`` is ignored). The host turns the parents into one int64 bitmask
+of ancestors per token and the depths (:func:`tree_ancestor_bits`, L_b small torch ops, no sync), so the kernel's
+block mask is one shift and one AND; the window compares depths. ``reference.verify_attention_reference`` takes the
+same ``tree_parents``.
+
 Shapes (N = total query tokens = qo_indptr[-1], S = pool slots):
     q [N, Hq, Dk]; k_extend [N, Hkv, Dk]; v_extend [N, Hkv, Dv]; out [N, Hq, Dv] (written; returned)
     k_buffer [S, Hkv, Dk] or paged [S / page, page, Hkv, Dk]; v_buffer likewise with Dv
@@ -102,7 +109,7 @@ def _online_softmax_step(s, v, v_scale, m_i, l_i, acc, dtype: tl.constexpr):
 @triton.jit
 def _verify_split_kernel(
     Q, K_ext, V_ext, K_buf, V_buf, Out, Part_o, Part_lse,
-    qo_indptr, kv_indptr, kv_indices,
+    qo_indptr, kv_indptr, kv_indices, Tree_bits, Tree_depth,
     scale_prefix,             # sm_scale * k_scale: pool keys may be fp8 with a per-layer scale
     scale_block,              # sm_scale: the block's keys come unquantised
     logit_cap, v_scale, window_left,
@@ -113,7 +120,7 @@ def _verify_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_CAP: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, M_BLOCKS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, M_BLOCKS: tl.constexpr, IS_TREE: tl.constexpr,
 ):
     """One program: request ``program_id(0)``, (KV head, m-block) ``program_id(1)``, split ``program_id(2)``."""
     req = tl.program_id(0)
@@ -141,7 +148,11 @@ def _verify_split_kernel(
     dv_ok = offs_dv < DV
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-    q_pos = prefix_len + tok                              # position of each row's query token
+    if IS_TREE:                                           # a tree node sits at prefix + its depth
+        q_depth = tl.load(Tree_depth + q_start + tok, mask=row_ok, other=0).to(tl.int64)
+    else:
+        q_depth = tok
+    q_pos = prefix_len + q_depth                          # position of each row's query token
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of 2^(s - m_i)
@@ -181,9 +192,15 @@ def _verify_split_kernel(
         s = tl.dot(q, k.to(q.dtype))
         s = _base2_scores(s, scale_block, logit_cap, USE_CAP)
         ok = row_ok[:, None] & bt_ok[None, :]
-        if IS_CAUSAL:
-            ok = ok & (bt[None, :] <= tok[:, None])
-        ok = ok & ((window_left < 0) | (tok[:, None] - bt[None, :] <= window_left))
+        if IS_TREE:                                       # ancestors and self: bit t of the row's mask
+            bits = tl.load(Tree_bits + q_start + tok, mask=row_ok, other=0)
+            ok = ok & (((bits[:, None] >> bt[None, :].to(tl.int64)) & 1) != 0)
+            k_depth = tl.load(Tree_depth + q_start + bt, mask=bt_ok, other=0).to(tl.int64)
+            ok = ok & ((window_left < 0) | (q_depth[:, None] - k_depth[None, :] <= window_left))
+        else:
+            if IS_CAUSAL:
+                ok = ok & (bt[None, :] <= tok[:, None])
+            ok = ok & ((window_left < 0) | (tok[:, None] - bt[None, :] <= window_left))
         v = tl.load(V_ext + (q_start + bt)[:, None] * stride_vet + kv_head * stride_veh + offs_dv[None, :],
                     mask=bt_ok[:, None] & dv_ok[None, :], other=0.0)
         m_i, l_i, acc = _online_softmax_step(tl.where(ok, s, float("-inf")), v, 1.0, m_i, l_i, acc, q.dtype)
@@ -287,17 +304,39 @@ def split_plan(device: torch.device, bs: int, kv_heads: int, m_blocks: int) -> t
     return max_splits, (SPLIT_MIN_SMALL_GRID if 4 * programs <= sms else SPLIT_MIN_TOKENS)
 
 
+def tree_ancestor_bits(parents: torch.Tensor, qo_indptr: torch.Tensor, max_q_len: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-local tree parents [N] (root -1) -> (int64 ancestor-and-self bitmask [N], depth [N] int32).
+
+    One step per level, max_q_len steps (a root path is at most that deep), batched over all tokens and shapes
+    fixed: no host sync. A token's walk keeps climbing from its current ancestor a: set bit a, move to a's parent."""
+    n = parents.shape[0]
+    start = torch.repeat_interleave(qo_indptr[:-1].long(), qo_indptr.diff().long(), output_size=n)  # token's req
+    local = torch.arange(n, device=parents.device) - start
+    bits = torch.ones_like(local) << local
+    depth = torch.zeros_like(local)
+    cur = parents.long()
+    for _ in range(max_q_len - 1):
+        up = cur >= 0
+        bits = bits | torch.where(up, torch.ones_like(cur) << cur.clamp(min=0), 0)
+        depth = depth + up.long()
+        cur = torch.where(up, parents.long()[(start + cur).clamp(min=0)], cur)
+    return bits, depth.to(torch.int32)
+
+
 def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
                      max_q_len: int, sm_scale: float, causal: bool = True, window_left: int = -1,
                      logit_cap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
                      out: torch.Tensor | None = None, max_splits: int | None = None,
-                     split_min: int | None = None, tile: tuple | None = None) -> torch.Tensor:
+                     split_min: int | None = None, tile: tuple | None = None,
+                     tree_parents: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each request's block tokens over its paged prefix + its block (see the module docstring).
 
     ``max_q_len``: an upper bound on the per-request query count (SGLang's ``max_extend_len``), <= 32.
     ``max_splits``, ``split_min``: split-K bound (a power of two) and fewest prefix keys per split; defaults from
     :func:`split_plan` (tests lower ``split_min`` to exercise the split path on short prefixes).
     ``tile``: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of :func:`tile_config`'s (for tuning).
+    ``tree_parents``: [N] block-local parent per token (tree mode, see the module docstring).
     """
     n_tok, hq, dk = q.shape
     hkv, dv = k_extend.shape[1], v_extend.shape[-1]
@@ -341,10 +380,14 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
     window = int(window_left) if window_left is not None and window_left >= 0 else -1
     use_cap = logit_cap is not None and logit_cap > 0
 
+    if tree_parents is not None:
+        tree_bits, tree_depth = tree_ancestor_bits(tree_parents, qo_indptr, max_q_len)
+    else:                       # never read (IS_TREE is off): any tensor serves as the pointer
+        tree_bits = tree_depth = qo_indptr
     grid = (bs, hkv * m_blocks, max_splits)
     _verify_split_kernel[grid](
         q, k_extend, v_extend, k_buffer, v_buffer, out, part_o, part_lse,
-        qo_indptr, kv_indptr, kv_indices,
+        qo_indptr, kv_indptr, kv_indices, tree_bits, tree_depth,
         float(sm_scale * k_scale), float(sm_scale), float(logit_cap) if use_cap else 1.0, float(v_scale), window,
         q.stride(0), q.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
         kpage, ktok, kh, vpage, vtok, vh,
@@ -355,7 +398,7 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
         BLOCK_Q=max(MIN_TILE, triton.next_power_of_2(max_q_len)),
         BLOCK_DK=max(MIN_TILE, triton.next_power_of_2(dk)), BLOCK_DV=max(MIN_TILE, triton.next_power_of_2(dv)),
         PAGE_SIZE=page_k, IS_CAUSAL=bool(causal), USE_CAP=use_cap,
-        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks,
+        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks, IS_TREE=tree_parents is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_splits > 1:

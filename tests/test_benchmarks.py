@@ -415,3 +415,17 @@ def test_host_profile_keeps_the_scheduler_loop_and_counts_each_function_once_per
         fh.write("\n".join(raw) + "\n")
     assert host_profile.main(["--out", str(tmp_path), "--summarise", str(f)]) == 0
     assert "recv_requests (scheduler.py)" in capsys.readouterr().out
+
+
+def test_tree_tau_replay_and_held_out_split():
+    """benchmarks/tree_tau.py: a run jumps by each step's commit from the first anchor; the held-out filter keeps
+    HumanEval ids % 4 == 0 and even MT-Bench ids (the shipped drafter's held-out split)."""
+    from benchmarks.tree_tau import held_out, replay
+
+    assert replay([3, 1, 1, 2, 1, 1, 4, 1]) == [3, 2, 1, 4]
+    assert replay([1, 1, 1]) == [1, 1, 1] and replay([]) == []
+    items = {"humaneval": [{"dataset": "humaneval", "uid": f"HumanEval/{i}"} for i in range(9)],
+             "mtbench": [{"dataset": "mtbench", "uid": f"mtbench/{i}"} for i in range(81, 87)],
+             "gsm": [{"dataset": "gsm", "uid": f"gsm_symbolic/0/{i}"} for i in range(5)]}
+    kept = [it["uid"] for it in held_out(items, 2)]
+    assert kept == ["HumanEval/0", "HumanEval/4", "mtbench/82", "mtbench/84", "gsm_symbolic/0/0", "gsm_symbolic/0/1"]

@@ -41,6 +41,7 @@ class Case:
     causal: bool = True
     max_splits: int = 2
     split_min: int = 16
+    tree: bool = False  # blocks are random draft trees (tree_parents), not chains
 
     @property
     def head_dim_v(self) -> int:
@@ -79,25 +80,53 @@ def make_inputs(case: Case, device="cpu", dtype=torch.float32, seed=0):
     tensors = {k: t.to(device) for k, t in tensors.items()}
     logical = dict(prefix_k=prefix_k, prefix_v=prefix_v)
     kwargs = dict(sm_scale=dk ** -0.5, causal=case.causal, window_left=case.window_left, logit_cap=case.logit_cap)
+    if case.tree:  # block-local parents: token i's parent drawn from 0..i-1, so trees of every shape appear
+        kwargs["tree_parents"] = torch.cat([
+            torch.tensor([-1] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, w)]) for w in case.widths
+        ]).to(device)
     return tensors, logical, kwargs
 
 
-def naive_dense_attention(tensors, logical, case: Case, sm_scale):
-    """One float64 softmax over [all queries x all keys of the batch], masked to (own request, causal, window)."""
-    keys, vals, key_req, key_pos = [], [], [], []
+def tree_walk(parents: list[int]) -> tuple[list[set], list[int]]:
+    """Ancestors-and-self and depth of each node, by walking parent links (independent of tree_block_mask)."""
+    anc, depth = [], []
+    for i in range(len(parents)):
+        seen, j = set(), i
+        while j >= 0:
+            seen.add(j)
+            j = parents[j]
+        anc.append(seen)
+        depth.append(len(seen) - 1)
+    return anc, depth
+
+
+def naive_dense_attention(tensors, logical, case: Case, sm_scale, tree_parents=None):
+    """One float64 softmax over [all queries x all keys of the batch], masked to (own request, causal or tree,
+    window)."""
+    keys, vals, key_req, key_pos, key_node = [], [], [], [], []
+    q_pos, q_tree = [], []
     qo = tensors["qo_indptr"].tolist()
     for b, (p, w) in enumerate(zip(case.prefixes, case.widths)):
         keys += [logical["prefix_k"][b], tensors["k_extend"][qo[b]:qo[b + 1]]]
         vals += [logical["prefix_v"][b], tensors["v_extend"][qo[b]:qo[b + 1]]]
         key_req += [b] * (p + w)
-        key_pos += list(range(p + w))
+        if tree_parents is None:
+            depth, anc = list(range(w)), [set(range(i + 1)) for i in range(w)]
+        else:
+            anc, depth = tree_walk(tree_parents[qo[b]:qo[b + 1]].tolist())
+        key_pos += list(range(p)) + [p + d for d in depth]
+        key_node += [-1] * p + list(range(w))  # -1: a prefix key, visible to every query of its request
+        q_pos += [p + d for d in depth]
+        q_tree += anc
     k = torch.cat(keys).double().repeat_interleave(case.group, 1)
     v = torch.cat(vals).double().repeat_interleave(case.group, 1)
     q_req = torch.tensor([b for b, w in enumerate(case.widths) for _ in range(w)])
-    q_pos = torch.tensor([p + i for p, w in zip(case.prefixes, case.widths) for i in range(w)])
+    q_pos = torch.tensor(q_pos)
     key_req, key_pos = torch.tensor(key_req), torch.tensor(key_pos)
     allowed = q_req[:, None] == key_req[None, :]
-    if case.causal:
+    if tree_parents is not None:
+        allowed &= torch.tensor([[node < 0 or node in a for node in key_node] for a in q_tree])
+    elif case.causal:
         allowed &= key_pos[None, :] <= q_pos[:, None]
     if case.window_left >= 0:
         allowed &= q_pos[:, None] - key_pos[None, :] <= case.window_left
@@ -120,6 +149,9 @@ INTERPRETER_CASES = [
     Case("d64_softcap_noncausal", prefixes=(30, 0), widths=(8, 8), logit_cap=5.0, causal=False),
     Case("d256_dv128_g2", prefixes=(24,), widths=(4,), dk=256, dv=128, kv_heads=1),
     Case("d512_g2_B16", prefixes=(20,), widths=(16,), dk=512, kv_heads=1, max_splits=2),
+    Case("d64_tree_ragged", prefixes=(20, 0, 45), widths=(7, 1, 16), group=2, max_splits=2, tree=True),
+    Case("d64_tree_B32_window_page16", prefixes=(40, 9), widths=(32, 11), page=16, window_left=5, max_splits=4,
+         tree=True),
 ]
 
 
@@ -142,8 +174,34 @@ def _run_interpreter_cases() -> dict:
 def test_reference_matches_naive_dense(case):
     tensors, logical, kwargs = make_inputs(case, dtype=torch.float64)
     got = verify_attention_reference(**tensors, **kwargs)
-    want = naive_dense_attention(tensors, logical, case, kwargs["sm_scale"])
+    want = naive_dense_attention(tensors, logical, case, kwargs["sm_scale"], kwargs.get("tree_parents"))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_tree_mode_of_a_chain_is_the_causal_block_and_a_tree_is_not():
+    """Parents i - 1 (a chain) give the causal result exactly; a real tree differs from it (the mask matters)."""
+    case = Case("chain", prefixes=(12, 30), widths=(8, 16), window_left=6)
+    tensors, _, kwargs = make_inputs(case, dtype=torch.float64)
+    chain = torch.cat([torch.arange(w) - 1 for w in case.widths])
+    causal = verify_attention_reference(**tensors, **kwargs)
+    torch.testing.assert_close(verify_attention_reference(**tensors, **kwargs, tree_parents=chain), causal)
+    star = torch.cat([torch.tensor([-1] + [0] * (w - 1)) for w in case.widths])  # every node a child of the root
+    assert not torch.allclose(verify_attention_reference(**tensors, **kwargs, tree_parents=star), causal)
+
+
+def test_tree_ancestor_bits_match_the_parent_walk():
+    pytest.importorskip("triton")
+    from sglang_dflash.kernels.verify_attention import tree_ancestor_bits
+
+    case = Case("bits", prefixes=(0, 0, 0), widths=(32, 1, 9), tree=True)
+    _, _, kwargs = make_inputs(case, seed=3)
+    parents = kwargs["tree_parents"]
+    qo = torch.tensor([0, 32, 33, 42])
+    bits, depth = tree_ancestor_bits(parents, qo, 32)
+    for b in range(3):
+        anc, dep = tree_walk(parents[qo[b]:qo[b + 1]].tolist())
+        for i, (a, d) in enumerate(zip(anc, dep)):
+            assert int(bits[qo[b] + i]) == sum(1 << j for j in a) and int(depth[qo[b] + i]) == d
 
 
 @pytest.fixture(scope="module")

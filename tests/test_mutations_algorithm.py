@@ -22,8 +22,10 @@ import test_acceptance as acceptance_tests
 import test_dflash_oracle as oracle_tests
 import test_drafter as drafter_tests
 import test_reference_engine as engine_tests
-from sglang_dflash import acceptance, dflash2, drafter
-from sglang_dflash.reference import engine
+import test_tree_acceptance as tree_tests
+import test_tree_engine as tree_engine_tests
+from sglang_dflash import acceptance, dflash2, drafter, tree_acceptance
+from sglang_dflash.reference import engine, target
 
 
 def plant(monkeypatch, owner, name: str, old: str, new: str) -> None:
@@ -60,6 +62,45 @@ def test_verify_distribution_test_catches(monkeypatch, bug):
     plant(monkeypatch, acceptance, "verify_sampled", old, new)
     with pytest.raises(AssertionError, match=role):
         acceptance_tests.test_verify_sampled_emits_target_distribution()
+
+
+# ---------------------------------------------------------------- verify_tree_sampled (test_tree_acceptance.py)
+# Unlike the chain rule's final draw, the tree rule's acceptance test divides by the residual's sum: there, not
+# renormalising is a real bug (a later sibling accepted with p(x) instead of p'(x)), and it is planted.
+TREE_BUGS = {
+    "sibling accepted with p(x), residual not renormalised": (
+        "u[:, i - 1] * residual.sum(dim=-1) < mass", "u[:, i - 1] < mass"),
+    "rejected sibling keeps its mass": ("torch.where(candidate & ~accept, torch.zeros_like(mass), mass)", "mass"),
+    "final draw from p_u, forgetting the rejections": ("torch.where(empty, target_probs", "torch.where(empty | True, "
+                                                                                          "target_probs"),
+    "accepted child walks on with its parent's row": (
+        "torch.where(accept[:, None], target_probs[:, i], residual)", "residual"),
+}
+
+
+@pytest.mark.parametrize("bug", list(TREE_BUGS))
+def test_tree_distribution_test_catches(monkeypatch, bug):
+    old, new = TREE_BUGS[bug]
+    plant(monkeypatch, tree_acceptance, "verify_tree_sampled", old, new)
+    with pytest.raises(AssertionError, match="target"):
+        tree_tests.test_tree_sampled_emits_target_distribution()
+
+
+# ---------------------------------------------------------------- the engine's tree mode (test_tree_engine.py)
+TREE_ENGINE_BUGS = {
+    "keeps the first rows of the tree, not the accepted path": (
+        engine.ReferenceEngine, "_tree_step", "rows = path[i, :n]", "rows = torch.arange(n)"),
+    "tree rows see every earlier row (a causal mask, not the tree's)": (
+        target.HFTarget, "forward_tree", "ancestors.to(self.device)]", "torch.ones_like(ancestors).tril()]"),
+}
+
+
+@pytest.mark.parametrize("bug", list(TREE_ENGINE_BUGS))
+def test_tree_engine_distribution_test_catches(monkeypatch, bug):
+    owner, name, old, new = TREE_ENGINE_BUGS[bug]
+    plant(monkeypatch, owner, name, old, new)
+    with pytest.raises(AssertionError, match="do not follow"):
+        tree_engine_tests.test_tree_sampled_output_follows_target_distribution()
 
 
 # ---------------------------------------------------------------- verify_sampled_q (drafts drawn from q)

@@ -147,13 +147,20 @@ class Order2MarkovLM(torch.nn.Module):
         return self.lm_head
 
     def forward(self, input_ids, position_ids=None, past_key_values=None, use_cache=True, output_hidden_states=False,
-                logits_to_keep=0):  # logits_to_keep: the trainer asks for it; a table lookup has nothing to save
-        ids = input_ids[0]
+                logits_to_keep=0, attention_mask=None):  # logits_to_keep: the trainer asks for it; a table lookup
+        ids = input_ids[0]                                        # has nothing to save
         history = ids
         if past_key_values is not None:  # the cache stores token ids as 1-dim keys: [1, 1, T, 1]
             kv = ids[None, None, :, None].float()
             history = past_key_values.update(kv, kv, 0)[0][0, 0, :, 0].long()
-        if len(history) > len(ids):
+        if attention_mask is not None:  # a tree verify's 4D additive mask: the previous token is the last VISIBLE
+            t, total = len(ids), len(history)  # key before the query's own row (its parent in the tree)
+            own = total - t + torch.arange(t)
+            key = torch.arange(total)
+            before = (attention_mask[0, 0] == 0) & (key[None, :] < own[:, None])
+            last = torch.where(before, key, -1).amax(dim=1)
+            prev = torch.where(last >= 0, history[last.clamp(min=0)], self.config.vocab_size)
+        elif len(history) > len(ids):
             prev = history[-len(ids) - 1:-1]
         else:  # the sequence starts here
             prev = torch.cat([history.new_full((1,), self.config.vocab_size), history[:-1]])
@@ -195,7 +202,7 @@ def markov_role_names(block: int) -> list[str]:
 
 
 def sampled_distribution_failures(target, drafter, params: SamplingParams, n_requests: int, alpha: float,
-                                  seed: int = 11):
+                                  seed: int = 11, tree_size: int | None = None):
     """Run the engine on n_requests random prompts and check every emitted token against the target's exact
     conditional distribution, grouped by its role (the prefill sample, or its block position in its verify step)
     and the Markov state it was drawn in. A role is a function of the tokens before it (a step ends at the first
@@ -205,7 +212,7 @@ def sampled_distribution_failures(target, drafter, params: SamplingParams, n_req
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(v, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n_requests)]
-    results = ReferenceEngine(target, drafter, seed=seed).generate(prompts, params)
+    results = ReferenceEngine(target, drafter, seed=seed, tree_size=tree_size).generate(prompts, params)
     names = markov_role_names(block)
     counts = torch.zeros(len(names), v + 1, v, v)  # role, previous token, token, next token
     rows = []

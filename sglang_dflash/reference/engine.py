@@ -11,6 +11,10 @@ One speculative step, per active request:
             -> commit_len = accepted drafts + 1 tokens
     commit  keep the target KV and the drafter context of the fed tokens [bonus, d_1..d_a]; the target's own token
             becomes the next bonus
+
+Tree mode (``tree_size`` N): the same drafter pass gives the draft logits of positions 1..B-1, draft_tree builds
+the N-node best-first tree, the target scores all N nodes in one pass under the tree mask (HFTarget.forward_tree),
+tree_acceptance keeps one root path, and only that path's KV rows and context rows are committed.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import torch
 
 from ..acceptance import verify_greedy, verify_sampled, verify_sampled_q
 from ..dflash2 import DraftBlock
+from ..draft_tree import build_draft_tree
 from ..drafter import DFlashDrafter
 from ..sampling import SamplingParams, SamplingTensors, processed_probs, sample_next
+from ..tree_acceptance import verify_tree_greedy, verify_tree_sampled
 from .target import HFTarget
 
 
@@ -80,6 +86,14 @@ def propose_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[to
     fed so far). Returns the drafts for block positions 1..B-1 (`DFlashDrafter.propose`: greedy, or for a DFlash2
     drafter drawn from q where temperature [n] > 0). Contexts are right-padded to the longest; padded keys are
     invisible, so a request drafts the same tokens alone or in a batch."""
+    hidden = block_hidden(drafter, bonus_ids, contexts, embed_weight)
+    return drafter.propose(hidden, lm_head_weight, hidden.new_tensor(bonus_ids, dtype=torch.long), temperature,
+                           generator)
+
+
+def block_hidden(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torch.Tensor],
+                 embed_weight: torch.Tensor) -> torch.Tensor:
+    """The drafter's final hidden states [n, B-1, H] at block positions 1..B-1 (propose_step's one pass)."""
     cfg, dev = drafter.config, embed_weight.device
     fed = [len(c) for c in contexts]
     n, b, c = len(contexts), cfg.block_size, max(fed)
@@ -93,15 +107,23 @@ def propose_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[to
     ctx_pos = torch.arange(c, device=dev).expand(n, c)
     block_pos = torch.tensor(fed, device=dev)[:, None] + torch.arange(b, device=dev)
     embeds = drafter.block_embeddings(block_ids, embed_weight)
-    hidden = drafter(embeds, block_pos, context, ctx_pos, visible)
-    return drafter.propose(hidden[:, 1:], lm_head_weight, block_ids[:, 0], temperature, generator)
+    return drafter(embeds, block_pos, context, ctx_pos, visible)[:, 1:]
 
 
 class ReferenceEngine:
-    def __init__(self, target_model, drafter: DFlashDrafter | None = None, seed: int = 0):
+    def __init__(self, target_model, drafter: DFlashDrafter | None = None, seed: int = 0,
+                 tree_size: int | None = None):
         layer_ids = drafter.config.target_layer_ids if drafter is not None else ()
         if drafter is not None:
             drafter.config.validate_against_target(target_model.config)
+        if tree_size is not None:
+            if tree_size < 1:
+                raise ValueError(f"tree_size={tree_size}: a tree has at least its root (1 node); None = chain")
+            if drafter is not None and drafter.config.is_dflash2:
+                # DFlash2's selector conditions each draft on the previous one: its drafts are a path, not
+                # independent per-position distributions, so the best-first tree of draft_tree does not apply
+                raise ValueError("tree_size with a DFlash2 drafter: tree verify needs a DFlash drafter")
+        self.tree_size = tree_size
         self.target = HFTarget(target_model, layer_ids)
         self.drafter = drafter.eval() if drafter is not None else None
         self.generator = torch.Generator(device=self.target.device).manual_seed(seed)
@@ -134,6 +156,8 @@ class ReferenceEngine:
 
     # ---------------------------------------------------------------- the step
     def _speculative_step(self, reqs: list[_Request]) -> None:
+        if self.tree_size is not None:
+            return self._tree_step(reqs)
         draft = self._draft(reqs)  # tokens [n, B-1] (+ DFlash2's q over its candidates)
         logits, features = [], []
         for r, d in zip(reqs, draft.tokens.tolist()):
@@ -145,6 +169,37 @@ class ReferenceEngine:
         for r, n, toks, ft in zip(reqs, commit_lens.tolist(), tokens.tolist(), features):
             r.cache.crop(r.fed + n)  # keep KV of [bonus, d_1..d_{n-1}]; the rejected tail is dropped
             r.context = torch.cat([r.context, self.drafter.project_context(ft[:n])])
+            r.fed += n
+            r.commit_lens.append(n)
+            r.emit(toks[:n])
+
+    def _tree_step(self, reqs: list[_Request]) -> None:
+        """One tree step: draft logits -> best-first tree -> one target pass per request under the tree mask ->
+        one accepted root path -> commit its KV rows and context rows."""
+        hidden = block_hidden(self.drafter, [r.out[-1] for r in reqs], [r.context for r in reqs],
+                              self.target.embed_weight)
+        anchor = torch.tensor([r.out[-1] for r in reqs], device=self.target.device)
+        tree = build_draft_tree(anchor, self.drafter.draft_logits(hidden, self.target.lm_head_weight), self.tree_size)
+        logits, features = [], []
+        for i, r in enumerate(reqs):
+            # a DEAD node (-1) is fed as token 0: its row is scored but never accepted, and nothing attends to it
+            lg, ft = self.target.forward_tree(tree.tokens[i].clamp(min=0), tree.depth[i], tree.ancestors[i], r.fed,
+                                              r.cache)
+            r.forwards += 1
+            logits.append(lg)
+            features.append(ft)
+        logits = torch.stack(logits)
+        if all(r.params.greedy for r in reqs):
+            commit_lens, tokens, path = verify_tree_greedy(tree, logits)
+        else:
+            n, size, v = logits.shape
+            s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device).repeat_interleave(size)
+            probs = processed_probs(logits.view(n * size, v), s).view(n, size, v)
+            commit_lens, tokens, path = verify_tree_sampled(tree, probs, self.generator)
+        for i, (r, n, toks, ft) in enumerate(zip(reqs, commit_lens.tolist(), tokens.tolist(), features)):
+            rows = path[i, :n]  # root (the bonus) + accepted nodes: the fed tokens whose KV and context are kept
+            self.target.keep_rows(r.cache, r.fed, rows)
+            r.context = torch.cat([r.context, self.drafter.project_context(ft[rows])])
             r.fed += n
             r.commit_lens.append(n)
             r.emit(toks[:n])
