@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 SPEC_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-draft-tokens",
@@ -35,18 +34,6 @@ def without_speculation(argv: list[str]) -> list[str]:
     return out
 
 
-def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
-    t0 = time.time()
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            if time.time() - t0 > timeout_s:
-                raise TimeoutError(f"{url}/health did not answer in {timeout_s:.0f} s")
-            time.sleep(1)
-
-
 def run_method(name, argv, env, port, prompts, max_tokens, out_dir: Path) -> dict:
     from openai import OpenAI
 
@@ -54,7 +41,7 @@ def run_method(name, argv, env, port, prompts, max_tokens, out_dir: Path) -> dic
 
     server = Server(argv, out_dir / f"{name}.log", port, "127.0.0.1", env=env).start()
     try:
-        wait_healthy(f"http://127.0.0.1:{port}")
+        server.wait_healthy(300)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                        temperature=0)  # first-request costs out of the timed part
