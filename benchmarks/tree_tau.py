@@ -173,17 +173,14 @@ def main(argv=None) -> int:
                     "from the engine on --per-set prompts per set (chain, tree16, tree32), into sampled-T*.json/md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from sglang_dflash.checkpoint import load_drafter
-    from sglang_dflash.demo import drafter_path
+    from sglang_dflash.demo import drafter_path, load_pair
     from sglang_dflash.reference.target import HFTarget
     from sglang_dflash.targets import smollm2
     from sglang_dflash.train.generate import generate_responses
 
     t0 = time.time()
-    hf_dir = smollm2.convert()
-    model = smollm2.load_target(torch.float32, "cpu", hf_dir=hf_dir)
-    tok = smollm2.load_tokenizer(hf_dir)
-    drafter = load_drafter(drafter_path(), dtype=torch.float32, target_config=model.config).eval()
+    model, tok, drafter = load_pair()
+    drafter.eval()
     target = HFTarget(model, drafter.config.target_layer_ids)
     items = held_out(prompt_sets.load(), args.per_set)
     ids = [smollm2.chat_ids(tok, it["turns"][0]) for it in items]

