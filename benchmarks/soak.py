@@ -39,7 +39,6 @@ import concurrent.futures as cf
 import datetime
 import json
 import math
-import os
 import random
 import re
 import shutil
@@ -53,6 +52,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from benchmarks.stats import percentile
 
 from .client import sse_chunks
 from sglang_dflash.testing.greedy_check import Divergence, first_diff, judge_greedy
@@ -292,20 +293,20 @@ def pool(url: str) -> dict | None:
 
 
 def memory(server_pid: int | None) -> dict:
-    """The server's resident memory (its process group, by PID) and the GPUs' used memory, where they can be read."""
+    """The server's resident memory (its process tree, `testing.server.process_tree`) and the GPUs' used memory,
+    where they can be read."""
+    import psutil
+
+    from sglang_dflash.testing.server import process_tree
+
     out: dict[str, Any] = {}
     if server_pid:
         rss, n = 0, 0
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
+        for pid in process_tree(server_pid):
             try:
-                stat = (d / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2:].split()
-                if int(fields[2]) == server_pid:  # pgrp: the launcher leads its group (testing.Server)
-                    rss += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-                    n += 1
-            except (OSError, ValueError, IndexError):
+                rss += psutil.Process(pid).memory_info().rss
+                n += 1
+            except psutil.Error:
                 continue
         out.update(rss_mb=round(rss / 2**20, 1), processes=n)
     if shutil.which("nvidia-smi"):
@@ -515,15 +516,6 @@ def compare(baseline_url: str, records: list[dict], tie_tol: float, logprob_tol:
 
 
 # -------------------------------------------------------------------------------------------------------- the report
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
-
-
 def summarize(phase: dict, comparison: dict | None, idle: tuple, final_ok: bool, mem: dict, start_pool: dict | None,
               reference: dict | None = None) -> dict:
     recs = phase["records"]

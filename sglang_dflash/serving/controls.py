@@ -26,6 +26,7 @@ temperature).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +139,6 @@ class SamplingControls:
         hits = [i for i, r in enumerate(reqs) if len(r.output_ids) and request_uses_penalties(r.sampling_params)]
         if not hits or info is None:
             return
-        import dataclasses
-
         idx = self._begin(batch)
         freq_acc, seen, out_len = self._earlier_output(reqs, idx)
         t = self.table

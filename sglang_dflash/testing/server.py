@@ -41,28 +41,23 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def process_tree(pid: int) -> list[int]:
-    """pid and every process descended from it (by parent PID, read from /proc), or also sharing its process group:
-    what must be gone once a server is stopped. Linux only; [] where /proc cannot be read."""
-    parents, groups = {}, {}
+    """pid and every process descended from it, or also in its process group (the launcher leads its group,
+    `Server.start`): what must be gone once a server is stopped. psutil, which SGLang already depends on."""
+    import psutil
+
+    tree = set()
     try:
-        entries = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return []
-    for d in entries:
+        root = psutil.Process(pid)
+        tree = {pid} | {c.pid for c in root.children(recursive=True)}
+    except psutil.Error:
+        pass
+    for p in psutil.process_iter():
         try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state, ppid, pgrp, ...
-            parents[int(d)], groups[int(d)] = int(fields[1]), int(fields[2])
-        except (OSError, ValueError, IndexError):
+            if os.getpgid(p.pid) == pid:
+                tree.add(p.pid)
+        except OSError:
             continue
-    tree = {pid} if pid in parents else set()
-    grew = True
-    while grew:
-        new = {p for p, pp in parents.items() if pp in tree and p not in tree}
-        tree |= new
-        grew = bool(new)
-    return sorted(tree | {p for p, g in groups.items() if g == pid})
+    return sorted(tree)
 
 
 def server_argv(model_path: str | Path, port: int, host: str = "127.0.0.1", args: list[str] = (),
