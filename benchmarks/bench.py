@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import prompts as P
-from . import stats
+from . import server_metrics, stats
 from .client import ChatTemplater, Sampling, closed_loop, get_json
 
 DEFAULT_CONCURRENCY = (1, 8, 32, 64, 128)
@@ -136,10 +136,13 @@ def run(args: argparse.Namespace) -> dict:
             for c in args.concurrency:
                 items = level_items(groups[d], c, args.rounds, args.min_convs, args.max_convs)
                 bar.set_postfix_str(f"{d} T={temp:g} c={c}")
+                before = server_metrics.scrape(args.url) if args.server_metrics else None
                 recs, wall = asyncio.run(closed_loop(args.url, items, c, sampling, templater, args.timeout_s,
                                                      on_done=bar.update))
                 s = stats.summarize(recs, wall)
                 s.update(dataset=d, temperature=temp, concurrency=c)
+                if args.server_metrics:  # the server's own account of the level's TTFT (server_metrics.py)
+                    s["server_stage_ms"] = server_metrics.level_means_ms(before, server_metrics.scrape(args.url))
                 errs = [r["error"] for r in recs if r.get("error")]
                 if errs:
                     s["first_error"] = errs[0]
@@ -189,6 +192,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the checkpoints are random (dummy load): tau is reported as a step count, never as acceptance")
     p.add_argument("--note", action="append", help="free text stored in the results (repeatable)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--server-metrics", action="store_true",
+                   help="per level, the server's mean TTFT stages from /metrics (server started with --enable-metrics)")
     return p
 
 

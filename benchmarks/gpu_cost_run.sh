@@ -10,7 +10,8 @@
 # Results: $OUT/<name>.tar.gz (JSON, greedy outputs, server logs) and $OUT/summary.md, also when the call's
 # deadline (DEADLINE_S, default 560) stops the driver early. COMMON_ARGS replaces the driver's launch_server
 # arguments for every method (default: benchmarks/driver.py DEFAULT_COMMON); SPEC_ARGS the speculative methods' extra
-# ones (default: driver.py DEFAULT_SPEC, triton draft attention).
+# ones (default: driver.py DEFAULT_SPEC, triton draft attention); DRIVER_ARGS more driver arguments (--bracket);
+# BENCH_ARGS more bench arguments (--server-metrics, with --enable-metrics in COMMON_ARGS: the TTFT stages).
 # The device tool kills a call at its limit (600 s, or less when the session's device time is nearly spent) and
 # then returns only what is under $OUT: while the driver runs, RUN is mirrored into $OUT/partial every 15 s, so a
 # call cut short still brings back every method that finished. Keep DEADLINE_S >= 60 s under the call's limit_s.
@@ -30,7 +31,7 @@ timeout -s TERM "${DEADLINE_S:-560}" python3 -m benchmarks.driver --target "/tmp
   --wait-s "${WAIT_S:-300}" ${COMMON_ARGS:+--common-args "$COMMON_ARGS"} ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --title "$SHAPE-shaped random weights: step cost" ${DRIVER_ARGS:-} -- \
   --datasets random --temperatures "${TEMPERATURES:-0}" --concurrency "${CONCURRENCY:-1,8,32,64,128}" --max-new-tokens 256 \
   --ignore-eos --random-input-len 128 --random-vocab "${RANDOM_VOCAB:-151000}" --rounds "${ROUNDS:-2}" \
-  --min-convs 4 --no-progress
+  --min-convs 4 --no-progress ${BENCH_ARGS:-}
 rc=$?
 python3 -m benchmarks.report "$RUN" --title "$SHAPE-shaped random weights: step cost" >/dev/null 2>&1
 if [ -n "${OUT:-}" ]; then

@@ -29,6 +29,11 @@
 #          carried prompts file: /tmp/prompts7.pt)                                             -> /tmp/job/tau
 #   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
 #          start per method                                                                        -> /tmp/job/prof
+#   ttft   issue #34 items 1, 2, 5: Qwen3-8B shape, TTFT_METHODS (none,builtin,ours,ours-fixed) then none again
+#          (--bracket), c = 1..128, each level's TTFT split into the server's own stages (queue, prefill forward;
+#          --enable-metrics + bench --server-metrics)                                              -> /tmp/job/ttft
+#   dflash2  issue #36 item 4: ours-fixed with the Qwen3-8B-shaped drafter as DFlash and as DFlash2
+#          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
 # /tmp/job/results.tar.gz holds every result so far (no traces).
 set -uo pipefail
@@ -49,8 +54,8 @@ COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-bac
 DRAFTER=${DRAFTER:-sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16}  # the SmolLM2 phases' drafter
 [ -d "$SHAPE_DIR" ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b "$SHAPE_DIR" || exit 1
 
-wait_smollm2() {  # the SmolLM2 phases start once gpu_stage.sh has converted the target (up to 10 min)
-  for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && break; sleep 5; done
+wait_smollm2() {  # the SmolLM2 phases start once gpu_stage.sh has converted the target and DRAFTER is there
+  for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && [ -e "$DRAFTER/config.json" ] && break; sleep 5; done
 }
 
 run_8b() {  # METHODS TEMPERATURES: gpu_cost_run.sh into $JOB/cost (its report covers every method run so far)
@@ -68,6 +73,17 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         tests/test_kernels.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
       echo "kernel tests exit $?" >> $JOB/kerneltests/pytest.log ;;
     cost) run_8b "${COST_METHODS:-none,ours,builtin}" 0 ;;
+    ttft)
+      OUT= RUN=$JOB/ttft SHAPE=qwen3-8b METHODS="${TTFT_METHODS:-none,builtin,ours,ours-fixed}" TEMPERATURES=0 ROUNDS=2 \
+        DEADLINE_S=1800 COMMON_ARGS="$COMMON_8B --enable-metrics" DRIVER_ARGS="--bracket" BENCH_ARGS="--server-metrics" \
+        bash benchmarks/gpu_cost_run.sh ;;
+    dflash2)
+      [ -d /tmp/shape-qwen3-8b-dflash2 ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b \
+        /tmp/shape-qwen3-8b-dflash2 --dflash2 || exit 1
+      for variant in qwen3-8b qwen3-8b-dflash2; do
+        OUT= RUN=$JOB/dflash2/$variant SHAPE=$variant METHODS=ours-fixed TEMPERATURES=0,1 CONCURRENCY=1,8,32 ROUNDS=2 \
+          DEADLINE_S=900 COMMON_ARGS="$COMMON_8B" bash benchmarks/gpu_cost_run.sh
+      done ;;
     gemma)
       OUT= RUN=$JOB/gemma SHAPE=gemma-4-26b-a4b-it METHODS="${GEMMA_METHODS:-none,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_GEMMA" bash benchmarks/gpu_cost_run.sh ;;
@@ -133,7 +149,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

@@ -77,3 +77,17 @@ def test_write(tmp_path):
     assert shapes.main(["write", "smollm2-135m", str(tmp_path / "s")]) == 0
     with pytest.raises(KeyError):
         shapes.get("gpt-5")
+
+
+def test_write_dflash2(tmp_path):
+    """`--dflash2`: the same layer stack as a DFlash2 drafter our config accepts for the shape's target (#36 item 4's
+    cost run)."""
+    from sglang_dflash.config import DFlashConfig
+
+    assert shapes.main(["write", "qwen3-8b", str(tmp_path / "d2"), "--dflash2"]) == 0
+    cfg = DFlashConfig.from_pretrained(tmp_path / "d2" / "draft")
+    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.selector_top_k) == (4, 32)
+    cfg.validate_against_target(shapes.get("qwen3-8b").target)
+    plain = json.loads(json.dumps(shapes.get("qwen3-8b").drafter))
+    assert "conv_kernel_size" not in plain["dflash_config"]  # the table itself is untouched
+    assert "not the shape's own" in (tmp_path / "d2" / "README.txt").read_text()

@@ -2,16 +2,14 @@
 
 - ``assign_req_to_token_pool``: SGLang calls sgl_kernel's ``assign_req_to_token_pool_cpu``, which the CUDA-only
   PyPI wheel does not ship; speculative KV reservation (prepare_for_decode) needs it.
-- torch_native attention has no TARGET_VERIFY branch: it reads ``extend_prefix_lens`` / ``extend_seq_lens`` and
-  expects ``seq_lens`` to include the new tokens, while the verify ForwardBatch (like every GPU backend expects)
-  carries the committed lengths in ``seq_lens`` and B new tokens per request.
+- torch_native attention has no TARGET_VERIFY branch (``verify_attention``: W query rows per request over its
+  committed K/V and the W new rows, where torch_native's extend path would build a query as long as the whole
+  context and cost O(context^2) per layer, the CPU verify's main cost before).
 - ``StreamlessIndices``: overlap scheduling calls ``record_stream`` on the FutureMap's index tensor; that op exists
   for CUDA tensors only. On CPU there are no streams, so recording one is a no-op.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -41,27 +39,48 @@ class StreamlessIndices(torch.Tensor):
         return None
 
 
-@contextlib.contextmanager
-def torch_native_verify_lengths(forward_batch):
-    """Present a TARGET_VERIFY batch to torch_native as an extend of B tokens per request on top of seq_lens.
-
-    B comes from the batch (its spec_info's ``draft_token_num``, else tokens / requests), never from the shape of
-    q: model classes hand attention q in different layouts (Gemma-3 passes [1, N, heads, dim]).
-    """
+def verify_width(forward_batch) -> int:
+    """W, the tokens per request of a TARGET_VERIFY batch: from the batch (its spec_info's ``draft_token_num``, else
+    tokens / requests), never from the shape of q: model classes hand attention q in different layouts (Gemma-3
+    passes [1, N, heads, dim])."""
     bs = forward_batch.batch_size
     n = forward_batch.positions.numel()
-    block = getattr(forward_batch.spec_info, "draft_token_num", None) or n // bs
-    if block * bs != n:
-        raise RuntimeError(f"TARGET_VERIFY batch of {bs} requests x block {block} != {n} positions")
-    saved = (forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens)
-    prefix = forward_batch.seq_lens
-    forward_batch.extend_prefix_lens = prefix
-    forward_batch.extend_seq_lens = torch.full_like(prefix, block)
-    forward_batch.seq_lens = prefix + block
-    try:
-        yield
-    finally:
-        forward_batch.seq_lens, forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens = saved
+    width = getattr(forward_batch.spec_info, "draft_token_num", None) or n // bs
+    if width * bs != n:
+        raise RuntimeError(f"TARGET_VERIFY batch of {bs} requests x block {width} != {n} positions")
+    return width
+
+
+def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, width: int, *, scale,
+                     causal: bool, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of a TARGET_VERIFY batch on CPU: request i's W query rows (q [bs x W, heads, dim], at positions
+    prefix_i .. prefix_i + W - 1) over its first prefix_i + W cached K/V rows (the W new ones already written).
+
+    causal: query row j sees keys up to its own position (a verify), else all of them (the drafter's block layers,
+    ENCODER_ONLY); sliding_window: SGLang's rule, keys within ``window`` positions before the query too. A row with
+    nothing masked (W = 1, or non-causal without a window) gets no mask at all: the k = 0 step computes exactly what
+    torch_native's decode step computes for the same token. Returns [bs x W, heads, v_dim]."""
+    bs, H = len(prefix_lens), q.shape[1]
+    out = q.new_empty((q.shape[0], H, v_cache.shape[-1]))
+    rows = torch.arange(width).unsqueeze(1)
+    for i, prefix in enumerate(prefix_lens.tolist()):
+        length = prefix + width
+        slots = req_to_token[req_pool_indices[i], :length]
+        key, value = k_cache[slots].movedim(0, 1), v_cache[slots].movedim(0, 1)  # [kv heads, length, dim]
+        if key.dtype != q.dtype:  # sdpa wants one dtype (e.g. an fp8 KV cache)
+            key, value = key.to(q.dtype), value.to(q.dtype)
+        mask = None
+        if causal and (width > 1 or sliding_window is not None):
+            q_pos, k_pos = prefix + rows, torch.arange(length).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos >= q_pos - sliding_window
+        query = q[i * width:(i + 1) * width].movedim(0, 1)  # [heads, W, dim]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), attn_mask=mask, scale=scale,
+            enable_gqa=key.shape[0] != H)
+        out[i * width:(i + 1) * width] = o.squeeze(0).movedim(1, 0)
+    return out
 
 
 def on_cpu_engine() -> bool:

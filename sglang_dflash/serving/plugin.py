@@ -234,12 +234,29 @@ def _kv_copy_init(original, self):
 
 
 def _torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_cache=True):
-    if not forward_batch.forward_mode.is_target_verify():
+    # torch_native (SGLang's CPU attention) has no TARGET_VERIFY branch; ours is cpu_ops.verify_attention
+    if not forward_batch.forward_mode.is_target_verify() or layer.is_cross_attention \
+            or forward_batch.encoder_lens is not None:
         return original(self, q, k, v, layer, forward_batch, save_kv_cache)
-    from .cpu_ops import torch_native_verify_lengths
+    import sys
 
-    with torch_native_verify_lengths(forward_batch):
-        return original(self, q, k, v, layer, forward_batch, save_kv_cache)
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from .cpu_ops import verify_attention, verify_width
+
+    if save_kv_cache and k is not None and v is not None:  # as the original writes them
+        write_loc = sys.modules[type(self).__module__].KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc)
+        self.token_to_kv_pool.set_kv_buffer(layer, write_loc, k, v)
+    causal = layer.attn_type != AttentionType.ENCODER_ONLY
+    window = layer.sliding_window_size
+    heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+    o = verify_attention(q.reshape(-1, heads, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                         self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+                         forward_batch.req_pool_indices, forward_batch.seq_lens, verify_width(forward_batch),
+                         scale=layer.scaling, causal=causal,
+                         sliding_window=window if causal and window is not None and window > -1 else None)
+    # the original's output layout: q's own shape (Gemma-3 passes [1, N, heads, dim]), or [N, heads x v_dim]
+    return o.view(q.shape) if layer.qk_head_dim == layer.v_head_dim else o.view(q.shape[0], -1)
 
 
 def _resolve_spec_extras(original, self, batch):

@@ -15,6 +15,7 @@ step, from which the throughput a given tau implies follows (see benchmarks/READ
     python -m sglang_dflash.targets.shapes list
     python -m sglang_dflash.targets.shapes write qwen3-8b OUT          # OUT/target/config.json, OUT/draft/config.json
     python -m sglang_dflash.targets.shapes write qwen3-8b OUT --tokenizer-from DIR
+    python -m sglang_dflash.targets.shapes write qwen3-8b OUT --dflash2   # the drafter as a DFlash2 drafter
 
 The table is data: shapes.json beside this module, where every value names its source. The public model hub
 cannot be reached from this workplace, so the configs were read from public code that reproduces them (test
@@ -65,6 +66,21 @@ def _load_shapes() -> dict[str, Shape]:
 
 
 SHAPES: dict[str, Shape] = _load_shapes()
+
+# What `--dflash2` adds to a shape's drafter: the DFlash2 keys with the values z-lab's published DFlash2 configs use
+# (Qwen3.5-4B-DFlash2 style, as in tests/test_config.py's PUBLISHED_DFLASH2): the same layer stack plus the
+# convolutions and the candidate selector, for the DFlash2 step's cost against the DFlash one (issue #36 item 4).
+DFLASH2_KEYS = {"architectures": ["DFlash2DraftModel"]}
+DFLASH2_CONFIG = {"conv_kernel_size": 4, "conv_group_size": 128, "selector_rank": 64, "selector_top_k": 32,
+                  "output_multiplier": 1.0, "final_logit_softcapping": 30.0}
+
+
+def as_dflash2(drafter: dict[str, Any]) -> dict[str, Any]:
+    """A DFlash drafter config turned into a DFlash2 one of the same layer stack (DFLASH2_CONFIG's values)."""
+    d = copy.deepcopy(drafter)
+    d.update(DFLASH2_KEYS)
+    d["dflash_config"].update(DFLASH2_CONFIG)
+    return d
 
 
 def get(name: str) -> Shape:
@@ -190,13 +206,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
 
 
-def write(shape: Shape | str, out: str | Path, tokenizer_from: str | Path | None = None) -> dict[str, Path]:
-    """Write ``out/target/config.json`` and (if the shape has a drafter) ``out/draft/config.json``.
+def write(shape: Shape | str, out: str | Path, tokenizer_from: str | Path | None = None,
+          dflash2: bool = False) -> dict[str, Path]:
+    """Write ``out/target/config.json`` and (if the shape has a drafter) ``out/draft/config.json``; ``dflash2``: the
+    drafter as a DFlash2 drafter (``as_dflash2``).
 
     A README.txt beside them says that the weights are to be random (``--load-format dummy``) and where each value
     came from. Returns the directories written.
     """
     shape = get(shape) if isinstance(shape, str) else shape
+    if dflash2:
+        if shape.drafter is None:
+            raise ValueError(f"{shape.name} has no drafter to write as DFlash2")
+        shape = Shape(**{**shape.__dict__, "drafter": as_dflash2(shape.drafter),
+                         "notes": shape.notes + ("drafter written as DFlash2 (shapes.DFLASH2_CONFIG): its "
+                                                 "convolution and selector sizes are not the shape's own",)})
     out = Path(out)
     dirs = {"target": out / "target"}
     if shape.drafter is not None:
@@ -229,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("name", choices=sorted(SHAPES))
     w.add_argument("out")
     w.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
+    w.add_argument("--dflash2", action="store_true", help="write the drafter as a DFlash2 drafter (DFLASH2_CONFIG)")
     a = p.parse_args(argv)
     if a.cmd == "list":
         for s in SHAPES.values():
@@ -237,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in s.notes:
                 print(f"    note: {n}")
         return 0
-    dirs = write(a.name, a.out, a.tokenizer_from)
+    dirs = write(a.name, a.out, a.tokenizer_from, dflash2=a.dflash2)
     for role, d in dirs.items():
         print(f"{role}: {d}")
     return 0

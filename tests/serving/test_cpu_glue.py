@@ -7,31 +7,57 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_dflash.serving.cpu_ops import StreamlessIndices, torch_native_verify_lengths
+from sglang_dflash.serving.cpu_ops import StreamlessIndices, verify_attention, verify_width
 
 
 def _verify_batch(bs=2, block=16):
     return SimpleNamespace(batch_size=bs, positions=torch.arange(bs * block), seq_lens=torch.tensor([5, 9])[:bs],
-                           extend_prefix_lens=None, extend_seq_lens=None,
                            spec_info=SimpleNamespace(draft_token_num=block))
 
 
-def test_verify_lengths_come_from_the_batch_not_from_q():
+def test_verify_width_comes_from_the_batch_not_from_q():
     # Regression: B used to be q.shape[0] // bs, and Gemma-3 hands attention q as [1, N, heads, dim]: B was 0
     # (bs > 1) or 1 (bs = 1), so verify rows past the first were never computed.
     fb = _verify_batch()
-    with torch_native_verify_lengths(fb):
-        assert fb.extend_seq_lens.tolist() == [16, 16]
-        assert fb.extend_prefix_lens.tolist() == [5, 9]
-        assert fb.seq_lens.tolist() == [21, 25]
-    assert fb.seq_lens.tolist() == [5, 9] and fb.extend_seq_lens is None  # restored
+    assert verify_width(fb) == 16
     fb.spec_info = None  # no spec_info: tokens / requests
-    with torch_native_verify_lengths(fb):
-        assert fb.extend_seq_lens.tolist() == [16, 16]
+    assert verify_width(fb) == 16
     fb.spec_info = SimpleNamespace(draft_token_num=8)
     with pytest.raises(RuntimeError, match="block 8"):
-        with torch_native_verify_lengths(fb):
-            pass
+        verify_width(fb)
+
+
+def _naive_attention(q, keys, values, visible, scale):
+    """One query row over the visible keys, written out: softmax(q k^T * scale) v, GQA by repeating kv heads."""
+    rep = q.shape[0] // keys.shape[1]
+    k, v = keys[visible].repeat_interleave(rep, 1), values[visible].repeat_interleave(rep, 1)  # [n, heads, dim]
+    w = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
+    return torch.einsum("hn,nhd->hd", w, v)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 4)])
+@pytest.mark.parametrize("width", [1, 5])
+def test_verify_attention_sees_what_each_row_may_see(causal, window, width):
+    """cpu_ops.verify_attention against the rule written out row by row: a verify row at position p sees keys
+    0..p (within the sliding window), a drafter block row (non-causal) sees every key of its request."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, slots = 4, 2, 8, 64
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    req_to_token = torch.randperm(slots).view(2, 32)  # each request's slots scattered through the pool
+    prefix = torch.tensor([7, 12])
+    pool_rows = torch.tensor([1, 0])
+    q = torch.randn(2 * width, heads, dim)
+    out = verify_attention(q, k_cache, v_cache, req_to_token, pool_rows, prefix, width, scale=0.3, causal=causal,
+                           sliding_window=window)
+    for i in range(2):
+        slots_i = req_to_token[pool_rows[i], :prefix[i] + width]
+        for j in range(width):
+            pos, k_pos = int(prefix[i]) + j, torch.arange(len(slots_i))
+            visible = (k_pos <= pos) if causal else torch.ones_like(k_pos, dtype=torch.bool)
+            if window is not None:
+                visible &= k_pos >= pos - window
+            want = _naive_attention(q[i * width + j], k_cache[slots_i], v_cache[slots_i], visible, 0.3)
+            torch.testing.assert_close(out[i * width + j], want, rtol=1e-5, atol=1e-5)
 
 
 def test_streamless_indices():
