@@ -6,7 +6,7 @@ Two runs on one H100, both `benchmarks.driver` side by side (plain decoding = `n
 adaptive), greedy; their READMEs say how they were run:
 - SmolLM2-135M-Instruct with the drafter we ship (real weights, real prompts): tok/s averaged over the gsm,
   HumanEval and MT-Bench sets at each concurrency (`results/smollm2-run8-h100/fourway`);
-- the Qwen3-8B shape with random weights (`results/fastpath-qwen3-8b-h100/2026-11-25-kernel/two-wave`): a drafter
+- the Qwen3-8B shape with random weights (`results/ttft-qwen3-8b-h100`, c = 1..128, plain run again last): a drafter
   that never guesses right, so it shows what a step costs, not a speedup.
 tests/test_readme.py checks that README.md carries `table()` as printed here.
 """
@@ -33,7 +33,7 @@ class Run:
 RUNS = (
     Run("SmolLM2-135M-Instruct + our drafter", "smollm2-run8-h100/fourway/summary.json",
         "real weights; mean of gsm, HumanEval, MT-Bench prompts"),
-    Run("Qwen3-8B shape, random weights", "fastpath-qwen3-8b-h100/2026-11-25-kernel/two-wave/summary.json",
+    Run("Qwen3-8B shape, random weights", "ttft-qwen3-8b-h100/summary.json",
         "acceptance ~1: the cost of a step, not a speedup"),
 )
 
