@@ -361,6 +361,11 @@ def gpu_cases():
                       max_splits=None, split_min=256))
     cases.append(Case("d128_softcap_noncausal", prefixes=(3000,), widths=(16,), dk=128, kv_heads=8, group=4,
                       logit_cap=30.0, causal=False, max_splits=None, split_min=256))
+    # tree mode (issue #38): draft trees of 8 / 16 / 32 nodes over short and long prefixes
+    cases.append(Case("d128_tree_mixed", prefixes=(1000, 17, 300), widths=(16, 8, 16), dk=128, kv_heads=8, group=4,
+                      tree=True, max_splits=None, split_min=256))
+    cases.append(Case("d64_tree32_ctx4000", prefixes=(4000,), widths=(32,), dk=64, kv_heads=8, group=1, tree=True,
+                      max_splits=None, split_min=256))
     return cases
 
 
@@ -376,7 +381,8 @@ def test_gpu_kernel_matches_reference(case):
 
 
 @needs_cuda
-@pytest.mark.parametrize("case", [c for c in gpu_cases() if c.page == 1 and c.logit_cap == 0], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in gpu_cases() if c.page == 1 and c.logit_cap == 0 and not c.tree],
+                         ids=lambda c: c.name)
 def test_gpu_kernel_matches_sglang(case):
     """Same inputs through SGLang's triton extend kernel: the function we replace, called as its backend calls it."""
     extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
