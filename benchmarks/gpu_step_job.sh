@@ -32,6 +32,10 @@
 #   ttft   issue #34 items 1, 2, 5: Qwen3-8B shape, TTFT_METHODS (none,builtin,ours,ours-fixed) then none again
 #          (--bracket), c = 1..128, each level's TTFT split into the server's own stages (queue, prefill forward;
 #          --enable-metrics + bench --server-metrics)                                              -> /tmp/job/ttft
+#   tree   issue #38 item 5: chain (ours-fixed) against draft trees (ours-tree<N>: the full block drafted, N nodes
+#          verified, eagerly): SmolLM2 + DRAFTER on gsm and HumanEval at c = 1, 8 with none bracketing
+#          (TREE_SMOL_METHODS)                                                                     -> /tmp/job/tree-smol
+#          then the Qwen3-8B shape's step cost, c = 1, 8, 32 (TREE_8B_METHODS)                      -> /tmp/job/tree-8b
 #   dflash2  issue #36 item 4: ours-fixed with the Qwen3-8B-shaped drafter as DFlash and as DFlash2
 #          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
@@ -77,6 +81,16 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       OUT= RUN=$JOB/ttft SHAPE=qwen3-8b METHODS="${TTFT_METHODS:-none,builtin,ours,ours-fixed}" TEMPERATURES=0 ROUNDS=2 \
         DEADLINE_S=1800 COMMON_ARGS="$COMMON_8B --enable-metrics" DRIVER_ARGS="--bracket" BENCH_ARGS="--server-metrics" \
         bash benchmarks/gpu_cost_run.sh ;;
+    tree)
+      wait_smollm2
+      python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
+        --methods "${TREE_SMOL_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" --bracket --out $JOB/tree-smol \
+        --wait-s 200 --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100" \
+        -- --datasets gsm,humaneval --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 --min-convs 16 \
+        --warmup 2 --no-progress
+      python3 -m benchmarks.report $JOB/tree-smol --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100"
+      OUT= RUN=$JOB/tree-8b SHAPE=qwen3-8b METHODS="${TREE_8B_METHODS:-none,ours-fixed,ours-tree16}" TEMPERATURES=0 \
+        CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=900 COMMON_ARGS="$COMMON_8B" bash benchmarks/gpu_cost_run.sh ;;
     dflash2)
       [ -d /tmp/shape-qwen3-8b-dflash2 ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b \
         /tmp/shape-qwen3-8b-dflash2 --dflash2 || exit 1
@@ -149,7 +163,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d tree-smol tree-8b ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"
