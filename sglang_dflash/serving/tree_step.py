@@ -120,10 +120,14 @@ def applies(batch) -> bool:
     """Whether this decode batch may take a tree step: all-greedy, and no per-request control that needs per-row
     state along the drafted path (penalties / min_new_tokens, grammar, logit_bias: controls.py applies them along
     a chain; a tree would need their state per node) and no logprobs (the chain's output layout). Host-side flags
-    SGLang already holds: no sync."""
+    SGLang already holds: no sync. SGLang's ``is_all_greedy`` is sticky (merging a sampled request clears it, and
+    filtering the request out does not set it again), so when it is off the requests' own settings decide (SGLang
+    encodes greedy as top_k = 1): one host pass over the batch's requests, no device read."""
     info = batch.sampling_info
     if info is not None:
-        if not info.is_all_greedy or info.logit_bias is not None:
+        if info.logit_bias is not None:
+            return False
+        if not info.is_all_greedy and not all(r.sampling_params.top_k == 1 for r in batch.reqs):
             return False
         if info.acc_additive_penalties is not None or getattr(info, "acc_scaling_penalties", None) is not None:
             return False

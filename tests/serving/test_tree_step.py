@@ -126,14 +126,18 @@ def test_build_tree_uses_the_vocabulary_rows_only():
     assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents)
 
 
-def _batch(**info):
+def _batch(top_ks=(1, 1), **info):
     base = dict(is_all_greedy=True, logit_bias=None, acc_additive_penalties=None, acc_scaling_penalties=None)
-    return SimpleNamespace(sampling_info=SimpleNamespace(**{**base, **info}), has_grammar=False, return_logprob=False)
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in top_ks]
+    return SimpleNamespace(sampling_info=SimpleNamespace(**{**base, **info}), has_grammar=False, return_logprob=False,
+                           reqs=reqs)
 
 
 def test_which_batches_take_a_tree_step():
     assert tree_step.applies(_batch())
-    assert not tree_step.applies(_batch(is_all_greedy=False))
+    assert not tree_step.applies(_batch(is_all_greedy=False, top_ks=(1, 1 << 30)))  # SGLang: top_k -1 -> 1 << 30
+    # SGLang's is_all_greedy stays off once a sampled request has been merged, even after it left the batch
+    assert tree_step.applies(_batch(is_all_greedy=False, top_ks=(1, 1)))
     assert not tree_step.applies(_batch(logit_bias=torch.zeros(1, 4)))
     assert not tree_step.applies(_batch(acc_additive_penalties=torch.zeros(1, 4)))
     assert not tree_step.applies(_batch(acc_scaling_penalties=torch.ones(1, 4)))
