@@ -24,12 +24,18 @@ drafter's context K/V, so speculation can resume at any later step without re-pr
 and verifies its first k drafts (benchmarks/results/width-acceptance-smollm2-cpu compares this with drafting a
 shorter block).
 
+Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step with k > 0 whose batch is all-greedy without
+per-request controls verifies an N-node draft tree built from the same drafter pass instead of the chain, eagerly,
+and commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``); every other
+step is the chain step above, unchanged.
+
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -116,6 +122,12 @@ class DFlashWorker(BaseSpecWorker):
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
+        if self._tree_size and controls.adaptive and controls.pinned is None and not controls.schedule:
+            # Tree on: a step with any k > 0 of a qualifying batch is a tree step, reported to the policy as k = B-1
+            # (_decode_step), so the policy's choice is plain (k = 0) or full (tree, or the full chain where a batch
+            # does not qualify). Shorter widths would be chosen, run as trees and never timed under their own k.
+            # Choosing between chain widths and trees is issue #38 item 4.
+            controls = dataclasses.replace(controls, ks=[k for k in controls.ks if k in (0, B - 1)])
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
         # under tensor parallelism every rank must choose the same width: the ranks share rank 0's step-time table
         self._control = WidthController(controls, B, share=TableShare.for_tp_group(),
@@ -288,9 +300,12 @@ class DFlashWorker(BaseSpecWorker):
         prefix = batch.seq_lens  # committed lengths; the bonus token sits at position prefix
         k = self._control.choose(bs)  # drafts to verify this step; W = k + 1 tokens per request
         W = k + 1
-        self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
         if k > 0 and self._tree_size and tree_step.applies(batch):
+            # a tree step commits up to N <= B tokens whatever k was chosen: the policy sees it as the full width
+            # (its acceptance statistics take 1..k+1 tokens per row), B-1 being one of its widths in every mode
+            self._control.step_begin(bs, B - 1)
             return self._tree_decode_step(batch, state, prefix, bs, on_publish)
+        self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
         # 1) draft: one drafter pass over [bonus, MASK...], drafts for positions 1..k (none when k = 0): point
         #    masses, except a DFlash2 drafter's for sampled rows, drawn from its selector's q (kept for the accept)

@@ -1,12 +1,13 @@
 """Tree verify in the real CPU server (SGLANG_DFLASH_TREE, serving/tree_step.py): lossless, and worth it.
 
 - Tiny Qwen3 pair (the shared no-speculation baseline): greedy outputs with a tree of 8 nodes (overlap scheduling,
-  chunked prefill, a small KV pool that retracts) and of 16 nodes (no overlap) equal plain decoding's, with
-  sampled requests in the same batches (those batches take the chain step, the greedy ones keep their outputs).
+  chunked prefill, a small KV pool that retracts, k forced through plain and drafted steps) and of 16 nodes (no
+  overlap, the full block every step) equal plain decoding's, with sampled requests in the same batches (those
+  batches take the chain step, the greedy ones keep their outputs).
 - SmolLM2-135M-Instruct with the drafter we ship: greedy outputs with a tree of 16 equal plain decoding's, and the
-  server's accept length (completion tokens per verify step) with the tree is at least the chain's (the reference
-  engine measured 2.59 -> 3.25 on held-out prompts, benchmarks/tree_tau.py).
-Every DFLASH server here runs the full block (compare.FULL_BLOCK), so every greedy step is a tree step.
+  server's accept length (completion tokens per verify step) with the tree is at least the chain's, both measured
+  on the same server (the reference engine measured 2.59 -> 3.25 on held-out prompts, benchmarks/tree_tau.py).
+The other DFLASH servers here run the full block (compare.FULL_BLOCK), so every greedy step is a tree step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytest.importorskip("openai")
 if shutil.which("gcc") is None:
     pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
 
-from sglang_dflash.settings import TREE  # noqa: E402
+from sglang_dflash.settings import K_SCHEDULE, TREE  # noqa: E402
 from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
 from .compare import (FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, assert_valid_sample, check_all,  # noqa: E402
@@ -30,6 +31,7 @@ from .compare import (FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, assert
 from .models import random_prompts  # noqa: E402
 
 PORTS = {8: 30060, 16: 30061}
+SCHEDULE = "1,1,0,3,1,15,0,0,1,7"
 MAX_TOKENS = 40
 
 
@@ -41,8 +43,10 @@ def tree_servers(dflash_pair, baseline):
     overlap[overlap.index("--max-total-tokens") + 1] = "400"  # a small pool: requests retract and come back
     spec = [*FLOAT32, *SPEC_ARGS, "--speculative-draft-model-path", str(draft)]
     servers = {
+        # k forced through a cycle (test hook): tree steps at every k > 0 (reported to the policy as the full width:
+        # a tree commits up to 8 tokens after a k = 1 choice), plain steps between them
         8: launch_server(target, port(PORTS[8]), root / "spec_tree8.log",
-                         overlap + ["--chunked-prefill-size", "16", *spec], {**env, **FULL_BLOCK, TREE: "8"}),
+                         overlap + ["--chunked-prefill-size", "16", *spec], {**env, K_SCHEDULE: SCHEDULE, TREE: "8"}),
         16: launch_server(target, port(PORTS[16]), root / "spec_tree16.log", CPU_SERVER_ARGS + spec,
                           {**env, **FULL_BLOCK, TREE: "16"}),
     }
@@ -70,9 +74,12 @@ def test_tree_greedy_equals_plain_decoding(tree_servers, size):
     assert_multi_token(metas, f"greedy requests with a tree of {size}")
 
 
+@pytest.mark.slow
 def test_smollm2_tree_equality_and_accept_length(dflash_pair):
-    """SmolLM2 + the shipped drafter: plain, chain and tree-16 servers (one after another: three SmolLM2 servers
-    at once would starve each other on 2 cores); greedy outputs equal, accept length of the tree >= the chain's."""
+    """SmolLM2 + the shipped drafter: a plain server and one tree-16 server. The tree server answers every prompt
+    twice, first as chain steps (each request carries a zero logit_bias, a control that keeps its batch on the chain
+    step and changes no logit), then as tree steps: greedy outputs of both equal plain decoding's, and the accept
+    length (completion tokens per verify step) of the tree is at least the chain's on the same server."""
     from sglang_dflash.targets import smollm2
 
     from benchmarks.prompts import chat_prompt_ids
@@ -90,28 +97,27 @@ def test_smollm2_tree_equality_and_accept_length(dflash_pair):
     base_args = CPU_SERVER_ARGS + FLOAT32
     spec_args = [a for a in base_args if a != "--disable-overlap-schedule"] + SPEC_ARGS + [
         "--speculative-draft-model-path", str(ASSET)]
-    body = lambda p: {"input_ids": p, "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
-    answers = {}
+
+    def body(p, **extra):
+        return {"input_ids": p, "sampling_params": {"max_new_tokens": 64, "temperature": 0, **extra}}
+
+    def run_all(server, **extra):  # every prompt at once
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(lambda p: generate(server, body(p, **extra), 300.0), prompts))
+
     base = launch_server(target, port(30062), root / "smollm2_tree_base.log", base_args, env)
+    spec = launch_server(target, port(30063), root / "smollm2_tree.log", spec_args, {**env, **FULL_BLOCK, TREE: "16"})
     try:
-        base.wait_healthy(420)
-        for name, extra in (("chain", {}), ("tree", {TREE: "16"})):
-            spec = launch_server(target, port(30063), root / f"smollm2_{name}.log", spec_args,
-                                 {**env, **FULL_BLOCK, **extra})
-            try:
-                spec.wait_healthy(420)
-                with cf.ThreadPoolExecutor(len(prompts)) as pool:
-                    answers[name] = list(pool.map(lambda p: generate(spec, body(p), 300.0), prompts))
-            finally:
-                spec.stop()
-            if name == "tree":
-                assert log_count(spec, "first tree verify step (16 nodes") >= 1, "no tree step ran"
-        base_out = [generate(base, body(p), 300.0) for p in prompts]
+        wait_all_healthy(base, spec)
+        answers = {"chain": run_all(spec, logit_bias={"0": 0.0}), "tree": run_all(spec)}
+        base_out = run_all(base)
         for name in ("chain", "tree"):
             check_all(base, prompts, [b["output_ids"] for b in base_out],
                       [s["output_ids"] for s in answers[name]], 64, SMOLLM2_MAX_EXCUSED, tie_tol=SMOLLM2_TIE_TOL)
     finally:
+        spec.stop()
         base.stop()
+    assert log_count(spec, "first tree verify step (16 nodes") == 1, "no tree step ran"
     chain, tree = accept_length(answers["chain"]), accept_length(answers["tree"])
     print(f"SmolLM2-135M-Instruct + shipped drafter, greedy, CPU server: accept length chain {chain:.3f}, "
           f"tree of 16 {tree:.3f}")

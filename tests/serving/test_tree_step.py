@@ -169,3 +169,68 @@ def test_eager_hides_the_graph_runner():
     with tree_step.eager(runner):
         assert runner.decode_cuda_graph_runner is None
     assert runner.decode_cuda_graph_runner == "graphs"
+
+
+def _args(**kw):
+    base = dict(device="cpu", tp_size=1, page_size=None, attention_backend=None, prefill_attention_backend=None,
+                decode_attention_backend=None, speculative_draft_attention_backend=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+DFLASH = SimpleNamespace(block_size=16, is_dflash2=False, architecture="DFlashDraftModel")
+
+
+@pytest.mark.parametrize("cfg,args,env,message", [
+    (DFLASH, _args(), "17", r"SGLANG_DFLASH_TREE=17: .*block size 16.*Fix"),
+    (DFLASH, _args(), "1", r"SGLANG_DFLASH_TREE='1'.*Fix"),
+    (SimpleNamespace(block_size=16, is_dflash2=True, architecture="DFlash2DraftModel"), _args(), "8",
+     r"DFlash2 drafter.*Fix: SGLANG_DFLASH_TREE=0"),
+    (DFLASH, _args(tp_size=2), "8", r"--tp-size 2.*Fix: --tp-size 1"),
+    (DFLASH, _args(page_size=16), "8", r"--page-size 16.*Fix: --page-size 1"),
+    (DFLASH, _args(device="cuda"), "8", r"needs the target's attention on triton.*no --attention-backend.*Fix"),
+    (DFLASH, _args(device="cuda", attention_backend="fa3"), "8", r"--attention-backend fa3.*Fix"),
+    (DFLASH, _args(device="cuda", attention_backend="triton", decode_attention_backend="flashinfer"), "8",
+     r"--decode-attention-backend flashinfer.*Fix"),
+])
+def test_tree_setups_refused_at_startup(monkeypatch, cfg, args, env, message):
+    from sglang_dflash.serving.startup import DFlashStartupError, check_tree
+
+    monkeypatch.setenv("SGLANG_DFLASH_TREE", env)
+    with pytest.raises(DFlashStartupError, match=message):
+        check_tree(cfg, args)
+
+
+def test_tree_setups_accepted_at_startup(monkeypatch):
+    from sglang_dflash.serving.startup import check_tree
+
+    monkeypatch.delenv("SGLANG_DFLASH_TREE", raising=False)
+    assert check_tree(SimpleNamespace(block_size=16, is_dflash2=True), _args(tp_size=4)) == 0  # off: no checks
+    monkeypatch.setenv("SGLANG_DFLASH_TREE", "16")
+    assert check_tree(DFLASH, _args()) == 16
+    monkeypatch.delenv("SGLANG_DFLASH_VERIFY_ATTENTION", raising=False)
+    assert check_tree(DFLASH, _args(device="cuda", attention_backend="triton")) == 16
+    monkeypatch.setenv("SGLANG_DFLASH_VERIFY_ATTENTION", "sglang")
+    from sglang_dflash.serving.startup import DFlashStartupError
+
+    with pytest.raises(DFlashStartupError, match="SGLANG_DFLASH_VERIFY_ATTENTION=sglang"):
+        check_tree(DFLASH, _args(device="cuda", attention_backend="triton"))
+
+
+def test_a_tree_step_is_reported_to_the_width_policy_as_the_full_width():
+    """A tree step commits up to N tokens whatever k the policy chose; the policy's acceptance statistics refuse
+    more than k + 1 per row (adaptive.AcceptanceStats.update raised in the scheduler), so the worker reports the
+    step as k = B-1. The chain keeps the chosen k."""
+    pytest.importorskip("sglang")
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+    from sglang_dflash.serving.worker import DFlashWorker
+
+    begun = []
+    control = SimpleNamespace(choose=lambda bs: 3, step_begin=lambda bs, k: begun.append(k))
+    stub = SimpleNamespace(block=16, _control=control, _tree_size=8,
+                           _tree_decode_step=lambda batch, state, prefix, bs, on_publish: "tree step")
+    batch = _batch()
+    batch.batch_size = lambda: 2
+    batch.seq_lens = torch.tensor([5, 9])
+    batch.spec_info = make_draft_input_v2(bonus_tokens=torch.tensor([1, 2]), new_seq_lens=batch.seq_lens)
+    assert DFlashWorker._decode_step(stub, batch, None) == "tree step" and begun == [15]
