@@ -30,7 +30,9 @@ and commits the accepted path by permuting the request's req_to_token slots (``_
 step is the chain step above, unchanged.
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
-buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has.
+buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
+the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host, and a tree step allocates its
+few [bs, N] tensors per step; neither syncs.)
 """
 
 from __future__ import annotations
@@ -147,8 +149,8 @@ class DFlashWorker(BaseSpecWorker):
         self._plain_cache_loc = torch.empty((cap, 1), dtype=torch.int64, device=dev)
         self._graph_drafts = torch.empty((cap, B - 1), dtype=torch.int64, device=dev)  # the draft graphs' head output
         self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
-        self._logged_q_drafts = False
-        self._logged_tree_step = False  # the first tree step says so in the log, once (tests look for it)  # the first step drawing DFlash2 drafts from q says so in the log, once
+        self._logged_q_drafts = False  # the first step drawing DFlash2 drafts from q says so in the log, once
+        self._logged_tree_step = False  # the first tree step says so in the log, once (tests look for it)
         # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
         # their torch twins on CPU
         self._fill_block_inputs, self._greedy_accept = block_inputs_torch, greedy_accept_torch
