@@ -183,9 +183,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(CACHE, "cache", _directory(Path.home() / ".cache" / "sglang_dflash"), "~/.cache/sglang_dflash",
            "directory", "where converted targets (SmolLM2, Gemma-3), their GGUF parts and the stub libcuda are kept"),
     Switch(TREE, "tree", _tree_size, "0", "0, or N with 2 <= N <= B",
-           "tree verify (issue #38): N > 0 verifies a best-first draft tree of N nodes from the same drafter pass "
-           "instead of the chain, in all-greedy steps without penalties, grammar or logit_bias (others keep the "
-           "chain); DFlash drafters at --tp-size 1, page size 1, not hybrid targets; tree verifies run eagerly"),
+           "tree verify (issue #38, serving/tree_step.py): N > 0 verifies a best-first draft tree of N nodes from the "
+           "same drafter pass instead of the chain, in drafted steps of all-greedy batches without penalties, "
+           "grammar, logit_bias or logprobs (others keep the chain); DFlash drafters, --tp-size 1, --page-size 1, no "
+           "hybrid targets, GPU: --attention-backend triton; tree verifies run eagerly (no CUDA graph)"),
 )
 NAMES = tuple(s.name for s in SWITCHES)
 _BY_NAME = {s.name: s for s in SWITCHES}
