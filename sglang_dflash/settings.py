@@ -34,6 +34,7 @@ LOG_EVERY_S = "SGLANG_DFLASH_LOG_EVERY_S"
 STEP_TRACE = "SGLANG_DFLASH_STEP_TRACE"
 STEP_COSTS = "SGLANG_DFLASH_STEP_COSTS"
 CACHE = "SGLANG_DFLASH_CACHE"
+TREE = "SGLANG_DFLASH_TREE"
 
 WORKERS = ("ours", "builtin")
 CAPTURE_MODES = ("auto", "generic", "check")
@@ -87,6 +88,32 @@ def _ints(one: bool):
             raise SettingsError(f"{name}={text!r}: one number of drafts expected. Fix: e.g. {name}={values[0]}")
         return values[0] if one else values
     return parse
+
+
+def _tree_size(name: str, raw: str | None) -> int:
+    """0 (off) or a node count N >= 2; N <= the drafter's block size is checked where B is known (tree_size)."""
+    text = _text(name, raw)
+    if text is None:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value == 1 or value < 0:
+        raise SettingsError(f"{name}={text!r}: expected 0 (off) or a tree of N nodes, 2 <= N <= B (the drafter's "
+                            f"block size). Fix: e.g. {name}=16 for B = 16, or {name}=0 / unset for the chain")
+    return value
+
+
+def tree_size(block: int, env: Mapping[str, str] | None = None) -> int:
+    """SGLANG_DFLASH_TREE checked against the drafter's block size B: 0 (chain) or N with 2 <= N <= B (a tree of N
+    nodes fits the B KV slots the scheduler reserves per step, and every depth 1..B-1 has a drafted position)."""
+    size = _tree_size(TREE, (os.environ if env is None else env).get(TREE))
+    if size > block:
+        raise SettingsError(f"{TREE}={size}: a draft tree of {size} nodes exceeds the drafter's block size {block} "
+                            f"(its nodes take the block's KV slots). Fix: {TREE}={block} or smaller (2..{block}), "
+                            "or 0 for the chain")
+    return size
 
 
 def _seconds(default: float):
@@ -155,6 +182,11 @@ SWITCHES: tuple[Switch, ...] = (
            "no timing), so its choices follow the acceptance alone and repeat from run to run"),
     Switch(CACHE, "cache", _directory(Path.home() / ".cache" / "sglang_dflash"), "~/.cache/sglang_dflash",
            "directory", "where converted targets (SmolLM2, Gemma-3), their GGUF parts and the stub libcuda are kept"),
+    Switch(TREE, "tree", _tree_size, "0", "0, or N with 2 <= N <= B",
+           "tree verify (issue #38, serving/tree_step.py): N > 0 verifies a best-first draft tree of N nodes from the "
+           "same drafter pass instead of the chain, in drafted steps of all-greedy batches without penalties, "
+           "grammar, logit_bias or logprobs (others keep the chain); DFlash drafters, --tp-size 1, --page-size 1, no "
+           "hybrid targets, GPU: --attention-backend triton; tree verifies run eagerly (no CUDA graph)"),
 )
 NAMES = tuple(s.name for s in SWITCHES)
 _BY_NAME = {s.name: s for s in SWITCHES}
@@ -180,6 +212,7 @@ class Settings:
     step_trace: str | None
     step_costs: str | None
     cache: Path
+    tree: int  # range-checked against the block size by tree_size
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

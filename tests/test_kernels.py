@@ -319,6 +319,53 @@ def test_dispatch_leaves_what_it_cannot_serve_to_sglang(monkeypatch, extra):
     assert calls == [1]
 
 
+def _tree_verify(parents: torch.Tensor, width: int):
+    """serving/tree_step.TreeVerify of equal-width blocks with these flat block-local parents (depth and mask are
+    the CPU hook's; the GPU dispatch reads the parents only)."""
+    from sglang_dflash.serving.tree_step import TreeVerify
+
+    bs = parents.numel() // width
+    return TreeVerify(width, torch.zeros(bs, width, dtype=torch.long), torch.zeros(bs, width, width, dtype=torch.bool),
+                      parents)
+
+
+def test_dispatch_passes_a_tree_verify_to_our_kernels_tree_mode(monkeypatch):
+    """While the worker runs a tree verify (tree_step.verifying), SGLang's arguments reach verify_attention with the
+    tree's parents: the result is the reference's tree-mode attention, not the causal block's."""
+    import sglang_dflash.kernels.verify_attention as va
+    from sglang_dflash.serving import tree_step
+    from sglang_dflash.serving.verify_kernel import extend_compatible_verify
+
+    case = Case("tree_map", prefixes=(9, 4), widths=(6, 6), window_left=3, tree=True)
+    tensors, _, kwargs = make_inputs(case)
+    monkeypatch.setattr(va, "verify_attention", verify_attention_reference)   # same contract, runs on CPU
+    args, out = _extend_args(case, tensors)
+    tree = _tree_verify(kwargs["tree_parents"], 6)
+    with tree_step.verifying(tree):
+        extend_compatible_verify(pytest.fail, *args, sm_scale=kwargs["sm_scale"], sliding_window_size=3, page_size=1)
+    assert tree.reads == 1
+    torch.testing.assert_close(out, verify_attention_reference(**tensors, **kwargs))
+    causal = {k: v for k, v in kwargs.items() if k != "tree_parents"}
+    assert not torch.allclose(out, verify_attention_reference(**tensors, **causal))
+
+
+def test_a_tree_verify_never_falls_back_to_sglangs_kernel(monkeypatch):
+    """SGLang's kernels know no tree: a tree verify they would serve raises (a causal block = wrong tokens)."""
+    from sglang_dflash.serving import tree_step
+    from sglang_dflash.serving.verify_kernel import KERNEL_ENV, extend_compatible_verify, triton_forward_extend
+
+    case = Case("tree_defer", prefixes=(3,), widths=(4,), tree=True)
+    tensors, _, kwargs = make_inputs(case)
+    args, _ = _extend_args(case, tensors, torch.ones(1, dtype=torch.bool))  # a custom mask: ours would defer
+    with tree_step.verifying(_tree_verify(kwargs["tree_parents"], 4)) as tree:
+        with pytest.raises(RuntimeError, match="needs our verify kernel's tree mode"):
+            extend_compatible_verify(lambda *a, **k: pytest.fail("SGLang's kernel ran"), *args)
+        monkeypatch.setenv(KERNEL_ENV, "sglang")
+        with pytest.raises(RuntimeError, match="SGLANG_DFLASH_VERIFY_ATTENTION=sglang"):
+            triton_forward_extend(_Backend.forward_extend, _Backend(), None, None, None, None, _Batch())
+        tree.reads = 1  # the with block's own check (no layer claimed the tree) is not this test's
+
+
 def test_dispatch_signature_is_sglangs_extend_signature():
     """The stand-in must accept exactly SGLang's extend_attention_fwd arguments (guards an SGLang upgrade)."""
     import inspect

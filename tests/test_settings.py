@@ -24,7 +24,8 @@ def test_defaults():
     assert s.k is None and s.widths is None and s.k_schedule is None and s.step_trace is None
     assert s.log_every_s == 30.0 and s.cache == Path.home() / ".cache" / "sglang_dflash"
     assert [f.name for f in dataclasses.fields(Settings)] == [sw.field for sw in settings.SWITCHES]
-    assert len(settings.SWITCHES) == 14
+    assert s.tree == 0
+    assert len(settings.SWITCHES) == 15
 
 
 def test_values_are_parsed():
@@ -39,12 +40,23 @@ def test_values_are_parsed():
     (settings.WORKER, "mine"), (settings.CAPTURE, "bogus"), (settings.VERIFY_ATTENTION, "fast"),
     (settings.ADAPTIVE, "maybe"), (settings.GRAPH_HEAD, "2"), (settings.K, "three"), (settings.K, "1,2"),
     (settings.K_SCHEDULE, "15,x"), (settings.LOG_EVERY_S, "0"), (settings.LOG_EVERY_S, "soon"),
+    (settings.TREE, "1"), (settings.TREE, "-4"), (settings.TREE, "wide"),
 ])
 def test_bad_values_name_the_variable_and_the_fix(name, value):
     with pytest.raises(SettingsError) as e:
         Settings.from_env({name: value})
     assert f"{name}=" in str(e.value) and "Fix" in str(e.value)
     assert isinstance(e.value, ValueError)  # callers that caught ValueError still do
+
+
+def test_tree_size_is_checked_against_the_block():
+    assert settings.tree_size(16, {}) == 0 and settings.tree_size(16, {settings.TREE: "0"}) == 0
+    assert settings.tree_size(16, {settings.TREE: "2"}) == 2 and settings.tree_size(16, {settings.TREE: "16"}) == 16
+    assert Settings.from_env({settings.TREE: " 8 "}).tree == 8
+    with pytest.raises(SettingsError, match=r"SGLANG_DFLASH_TREE=17: .*block size 16.*Fix: SGLANG_DFLASH_TREE=16"):
+        settings.tree_size(16, {settings.TREE: "17"})
+    with pytest.raises(SettingsError, match=r"SGLANG_DFLASH_TREE='1'.*Fix"):
+        settings.tree_size(16, {settings.TREE: "1"})
 
 
 def test_current_follows_the_environment(monkeypatch):

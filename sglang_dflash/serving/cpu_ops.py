@@ -3,7 +3,7 @@
 - ``assign_req_to_token_pool``: SGLang calls sgl_kernel's ``assign_req_to_token_pool_cpu``, which the CUDA-only
   PyPI wheel does not ship; speculative KV reservation (prepare_for_decode) needs it.
 - torch_native attention has no TARGET_VERIFY branch (``verify_attention``: W query rows per request over its
-  committed K/V and the W new rows, where torch_native's extend path would build a query as long as the whole
+  committed K/V and the W new rows, causal or under a draft tree's ancestor mask (tree verify, tree_step.py), where torch_native's extend path would build a query as long as the whole
   context and cost O(context^2) per layer, the CPU verify's main cost before).
 - ``StreamlessIndices``: overlap scheduling calls ``record_stream`` on the FutureMap's index tensor; that op exists
   for CUDA tensors only. On CPU there are no streams, so recording one is a no-op.
@@ -52,17 +52,25 @@ def verify_width(forward_batch) -> int:
 
 
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, width: int, *, scale,
-                     causal: bool, sliding_window: int | None = None) -> torch.Tensor:
+                     causal: bool, sliding_window: int | None = None, tree_depth: torch.Tensor | None = None,
+                     tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a TARGET_VERIFY batch on CPU: request i's W query rows (q [bs x W, heads, dim], at positions
     prefix_i .. prefix_i + W - 1) over its first prefix_i + W cached K/V rows (the W new ones already written).
 
     causal: query row j sees keys up to its own position (a verify), else all of them (the drafter's block layers,
     ENCODER_ONLY); sliding_window: SGLang's rule, keys within ``window`` positions before the query too. A row with
     nothing masked (W = 1, or non-causal without a window) gets no mask at all: the k = 0 step computes exactly what
-    torch_native's decode step computes for the same token. Returns [bs x W, heads, v_dim]."""
+    torch_native's decode step computes for the same token. Returns [bs x W, heads, v_dim].
+
+    Tree verify (issue #38, serving/tree_step.py): ``tree_depth`` [bs, W] and ``tree_mask`` [bs, W, W] bool (row j:
+    the block rows query j may see, its ancestors and itself). Block row j then sits at position prefix + depth_j
+    (its RoPE was applied at that position by the model): it sees the whole prefix and the block rows of its mask;
+    the sliding window compares those positions. Causal layers only (the target's)."""
     bs, H = len(prefix_lens), q.shape[1]
     out = q.new_empty((q.shape[0], H, v_cache.shape[-1]))
     rows = torch.arange(width).unsqueeze(1)
+    if tree_mask is not None and not causal:
+        raise ValueError("a tree verify attends causally (the target's layers); got a non-causal layer")
     for i, prefix in enumerate(prefix_lens.tolist()):
         length = prefix + width
         slots = req_to_token[req_pool_indices[i], :length]
@@ -70,7 +78,14 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
         if key.dtype != q.dtype:  # sdpa wants one dtype (e.g. an fp8 KV cache)
             key, value = key.to(q.dtype), value.to(q.dtype)
         mask = None
-        if causal and (width > 1 or sliding_window is not None):
+        if tree_mask is not None:
+            depth = tree_depth[i].to(torch.int64)
+            mask = torch.cat([torch.ones(width, prefix, dtype=torch.bool), tree_mask[i].to(torch.bool)], 1)
+            if sliding_window is not None:
+                q_pos = prefix + depth.unsqueeze(1)
+                k_pos = torch.cat([torch.arange(prefix), prefix + depth]).unsqueeze(0)
+                mask &= k_pos >= q_pos - sliding_window
+        elif causal and (width > 1 or sliding_window is not None):
             q_pos, k_pos = prefix + rows, torch.arange(length).unsqueeze(0)
             mask = k_pos <= q_pos
             if sliding_window is not None:

@@ -242,6 +242,7 @@ def _torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, 
 
     from sglang.srt.layers.radix_attention import AttentionType
 
+    from . import tree_step
     from .cpu_ops import verify_attention, verify_width
 
     if save_kv_cache and k is not None and v is not None:  # as the original writes them
@@ -250,11 +251,17 @@ def _torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, 
     causal = layer.attn_type != AttentionType.ENCODER_ONLY
     window = layer.sliding_window_size
     heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+    width = verify_width(forward_batch)
+    tree = tree_step.active()  # set by the worker around a tree verify's target forward only (tree_step.py)
+    if tree is not None:
+        tree.claim(width)
     o = verify_attention(q.reshape(-1, heads, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                          self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
-                         forward_batch.req_pool_indices, forward_batch.seq_lens, verify_width(forward_batch),
+                         forward_batch.req_pool_indices, forward_batch.seq_lens, width,
                          scale=layer.scaling, causal=causal,
-                         sliding_window=window if causal and window is not None and window > -1 else None)
+                         sliding_window=window if causal and window is not None and window > -1 else None,
+                         tree_depth=tree.depth if tree is not None else None,
+                         tree_mask=tree.ancestors if tree is not None else None)
     # the original's output layout: q's own shape (Gemma-3 passes [1, N, heads, dim]), or [N, heads x v_dim]
     return o.view(q.shape) if layer.qk_head_dim == layer.v_head_dim else o.view(q.shape[0], -1)
 

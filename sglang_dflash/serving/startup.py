@@ -256,6 +256,47 @@ def check_tensor_parallel(cfg: DFlashConfig, server_args) -> None:
                                  "sglang-dflash worker does not gather them yet. Fix: --tp-size 1, or a DFlash drafter")
 
 
+def check_tree(cfg: DFlashConfig, server_args) -> int:
+    """SGLANG_DFLASH_TREE (tree verify, serving/tree_step.py): its size against the drafter's block, and the setups
+    a tree verify cannot serve exactly, refused before any model loads. Returns the tree size (0: off). Hybrid
+    (recurrent) targets are refused by the worker, which knows the model class."""
+    from ..settings import TREE, SettingsError, tree_size
+
+    try:
+        size = tree_size(cfg.block_size)
+    except SettingsError as e:
+        raise DFlashStartupError(str(e)) from None
+    if not size:
+        return 0
+    off = f"Fix: {TREE}=0 (the chain)"
+    if cfg.is_dflash2:
+        raise DFlashStartupError(f"{TREE}={size} with a DFlash2 drafter ({cfg.architecture}): its selector drafts one "
+                                 f"path whose positions depend on each other, which a best-first tree of independent "
+                                 f"positions does not describe. {off}, or a DFlash drafter")
+    if int(server_args.tp_size) > 1:
+        raise DFlashStartupError(f"{TREE}={size} at --tp-size {server_args.tp_size}: the tree is built from the whole "
+                                 f"vocabulary's draft logits on one rank, not gathered across ranks yet. Fix: "
+                                 f"--tp-size 1, or {TREE}=0")
+    page = int(getattr(server_args, "page_size", None) or 1)
+    if page != 1:
+        raise DFlashStartupError(f"{TREE}={size} at --page-size {page}: a tree commit moves the accepted nodes' KV slots "
+                                 f"to the path's positions, which a paged pool ties to their pages. Fix: --page-size 1, "
+                                 f"or {TREE}=0")
+    if not _is_cpu(server_args):
+        from ..settings import VERIFY_ATTENTION, get
+
+        flags = [(flag, backend) for flag, backend, role in _attention_flags(server_args) if role != "draft"]
+        if not flags or any(backend != "triton" for _, backend in flags):
+            given = ", ".join(f"{f} {b}" for f, b in flags) or "no --attention-backend (SGLang picks one)"
+            raise DFlashStartupError(f"{TREE}={size} on GPU needs the target's attention on triton (our verify "
+                                     f"kernel's tree mode plugs into SGLang's triton backend); got {given}. Fix: "
+                                     f"--attention-backend triton, or {TREE}=0")
+        if get(VERIFY_ATTENTION) == "sglang":
+            raise DFlashStartupError(f"{TREE}={size} with {VERIFY_ATTENTION}=sglang: SGLang's verify kernel has no tree "
+                                     f"mode. Fix: unset {VERIFY_ATTENTION}, or {TREE}=0")
+    return size
+
+
 def handle_dflash_args(original, server_args) -> None:
     """Replaces SGLang's ``_handle_dflash`` when our worker is selected (it also lifts the CUDA-only restriction)."""
     server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
@@ -272,6 +313,7 @@ def handle_dflash_args(original, server_args) -> None:
         raise DFlashStartupError("--enable-dp-attention is not supported by the sglang-dflash worker. "
                                  "Fix: drop it (tensor parallelism works)")
     check_tensor_parallel(cfg, server_args)
+    tree = check_tree(cfg, server_args)
     check_context_length(cfg, server_args)
     if server_args.speculative_draft_window_size is not None:
         raise DFlashStartupError(f"--speculative-draft-window-size {server_args.speculative_draft_window_size}: "
@@ -296,3 +338,6 @@ def handle_dflash_args(original, server_args) -> None:
     if server_args.enable_mixed_chunk:
         compat.set_args(record, source, enable_mixed_chunk=False)
         logger.info("sglang-dflash: --enable-mixed-chunk is turned off (a DFLASH decode step is a verify block)")
+    if tree:
+        logger.info("sglang-dflash: tree verify of %d nodes (SGLANG_DFLASH_TREE) in qualifying steps; tree verifies "
+                    "run eagerly (no CUDA graph replay: the verify graphs carry no tree mask)", tree)

@@ -14,6 +14,11 @@ So the K/V store, the metadata and the graph buffers stay SGLang's, and our kern
 Both the target's verify and our worker's draft pass run as DFLASH TARGET_VERIFY batches, so both use the kernel when
 their backend is triton (the draft's non-causal and sliding-window layers included).
 
+Tree verify (``SGLANG_DFLASH_TREE``, serving/tree_step.py): while the worker runs a tree verify's target forward,
+``tree_step.active()`` holds the tree, and the kernel gets its block-local parents (``tree_parents``, the kernel's
+tree mode: node at prefix + depth, ancestors-and-self mask). A tree verify that would fall back to SGLang's kernel
+raises instead (SGLang's kernel would attend causally over the nodes: wrong tokens).
+
 Switch: ``SGLANG_DFLASH_VERIFY_ATTENTION=sglang`` keeps SGLang's ``extend_attention_fwd``; unset or ``ours`` selects
 ours. Calls our kernel cannot serve exactly (custom mask, attention sinks, score_mod, xai temperature, LSE output /
 DCP split stages, blocks wider than 32, head dims above 512) go to SGLang's kernel, with one warning per reason
@@ -51,6 +56,13 @@ def triton_forward_extend(original, self, q, k, v, layer, forward_batch, *args, 
     algo = getattr(forward_batch, "spec_algorithm", None)
     if algo is None or not algo.is_dflash():
         return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    from . import tree_step
+
+    if tree_step.active() is not None and (selected_kernel() == "sglang" or getattr(self, "enable_deterministic", False)
+                                           or getattr(self, "dcp_size", 1) > 1):
+        raise RuntimeError(f"a tree verify (SGLANG_DFLASH_TREE) needs our verify kernel's tree mode, and this call "
+                           f"would run SGLang's kernels ({KERNEL_ENV}=sglang, deterministic inference or decode-context "
+                           f"parallelism). Fix: unset {KERNEL_ENV} and drop those modes, or set SGLANG_DFLASH_TREE=0")
     if selected_kernel() == "sglang":
         _log_once(logging.INFO, "sglang-dflash: DFLASH TARGET_VERIFY attention runs SGLang's triton "
                   "extend_attention_fwd (%s=sglang)", KERNEL_ENV)
@@ -108,6 +120,14 @@ def extend_compatible_verify(sglang_fn, q_extend, k_extend, v_extend, o_extend, 
         reason = f"head dims {q_extend.shape[-1]}/{v_extend.shape[-1]} exceed {MAX_HEAD_DIM}"
     elif k_buffer.dim() == 4 and k_buffer.shape[1] != page_size:
         reason = f"the paged pool's page {k_buffer.shape[1]} differs from page_size={page_size}"
+    from . import tree_step
+
+    tree = tree_step.active()  # the tree of a tree verify's target forward (tree_step.py), else None
+    if tree is not None:
+        tree.claim(int(max_len_extend))
+        if reason is not None:
+            raise RuntimeError(f"a tree verify (SGLANG_DFLASH_TREE) needs our verify kernel's tree mode, but {reason}. "
+                               "Fix: set SGLANG_DFLASH_TREE=0 for this model")
     if reason is not None:
         _log_once(logging.WARNING, "sglang-dflash: a DFLASH TARGET_VERIFY attention call runs SGLang's "
                   "extend_attention_fwd: %s (our verify kernel does not serve that)", reason)
@@ -123,5 +143,6 @@ def extend_compatible_verify(sglang_fn, q_extend, k_extend, v_extend, o_extend, 
         q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
         max_q_len=int(max_len_extend), sm_scale=sm_scale or q_extend.shape[-1] ** -0.5, causal=bool(is_causal),
         window_left=sliding_window_size if sliding_window_size is not None else -1, logit_cap=logit_cap or 0.0,
-        k_scale=float(k_scale), v_scale=float(v_scale), out=o_extend)
+        k_scale=float(k_scale), v_scale=float(v_scale), out=o_extend,
+        tree_parents=tree.parents if tree is not None else None)
     return o_extend

@@ -24,12 +24,20 @@ drafter's context K/V, so speculation can resume at any later step without re-pr
 and verifies its first k drafts (benchmarks/results/width-acceptance-smollm2-cpu compares this with drafting a
 shorter block).
 
+Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step with k > 0 whose batch is all-greedy without
+per-request controls verifies an N-node draft tree built from the same drafter pass instead of the chain, eagerly,
+and commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``); every other
+step is the chain step above, unchanged.
+
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
-buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has.
+buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
+the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host, and a tree step allocates its
+few [bs, N] tensors per step; neither syncs.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -39,12 +47,13 @@ from ..dflash2 import DraftBlock
 from ..kernels.block_inputs import block_inputs_torch
 from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch
 from ..sampling import SamplingTensors, processed_probs
-from . import compat
+from ..tree_acceptance import verify_tree_greedy
+from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit
-from .startup import load_draft_config
+from .startup import DFlashStartupError, load_draft_config
 from .verify_widths import VerifyWidths
 from .width_control import TableShare, WidthControls, WidthController
 
@@ -88,6 +97,13 @@ class DFlashWorker(BaseSpecWorker):
         if B != self.cfg.block_size:  # startup.handle_dflash_args already enforced this; keep the invariant local
             raise ValueError(f"speculative_num_draft_tokens={B} != drafter block_size={self.cfg.block_size}")
 
+        # tree verify (SGLANG_DFLASH_TREE, tree_step.py): N nodes per qualifying step, 0 = the chain always
+        from ..settings import tree_size
+
+        self._tree_size = tree_size(B)
+        if self._tree_size and self.cfg.is_dflash2:  # startup.check_tree refused it in the launcher already
+            raise DFlashStartupError("SGLANG_DFLASH_TREE with a DFlash2 drafter: tree verify needs a DFlash drafter")
+
         register_draft_model()
         bundle = build_draft_tp_worker(
             server_args=server_args, gpu_id=gpu_id, **compat.draft_worker_parallel_kwargs(ps), nccl_port=nccl_port,
@@ -108,6 +124,12 @@ class DFlashWorker(BaseSpecWorker):
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
+        if self._tree_size and controls.adaptive and controls.pinned is None and not controls.schedule:
+            # Tree on: a step with any k > 0 of a qualifying batch is a tree step, reported to the policy as k = B-1
+            # (_decode_step), so the policy's choice is plain (k = 0) or full (tree, or the full chain where a batch
+            # does not qualify). Shorter widths would be chosen, run as trees and never timed under their own k.
+            # Choosing between chain widths and trees is issue #38 item 4.
+            controls = dataclasses.replace(controls, ks=[k for k in controls.ks if k in (0, B - 1)])
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
         # under tensor parallelism every rank must choose the same width: the ranks share rank 0's step-time table
         self._control = WidthController(controls, B, share=TableShare.for_tp_group(),
@@ -128,6 +150,7 @@ class DFlashWorker(BaseSpecWorker):
         self._graph_drafts = torch.empty((cap, B - 1), dtype=torch.int64, device=dev)  # the draft graphs' head output
         self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
         self._logged_q_drafts = False  # the first step drawing DFlash2 drafts from q says so in the log, once
+        self._logged_tree_step = False  # the first tree step says so in the log, once (tests look for it)
         # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
         # their torch twins on CPU
         self._fill_block_inputs, self._greedy_accept = block_inputs_torch, greedy_accept_torch
@@ -145,6 +168,11 @@ class DFlashWorker(BaseSpecWorker):
                     "draft attention=%s, overlap=%s, speculation: %s", B, self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
                     self.cfg.mask_token_id, bundle.resolved_attention_backend,
                     not server_args.disable_overlap_schedule, controls.describe())
+        if self._tree_size:
+            logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps with k > 0 of all-greedy batches "
+                        "without penalties, grammar, logit_bias or logprobs verify a draft tree of %d nodes, eagerly "
+                        "(the verify CUDA graphs carry no tree mask); other steps verify the chain",
+                        self._tree_size, self._tree_size)
 
     # ------------------------------------------------------------------------------ scheduler plumbing
     @property
@@ -170,6 +198,11 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker.init_attention_backends()
         # hybrid targets: the linear-attention state after a verify must be the state after the committed tokens
         self._recurrent = RecurrentStateCommit(self.model_runner)
+        if self._tree_size and self._recurrent.active:
+            raise DFlashStartupError(
+                f"SGLANG_DFLASH_TREE={self._tree_size} with a hybrid target "
+                f"({type(self.model_runner.model).__name__}: recurrent layers): their state after a verify is kept per "
+                "block position, not per tree node, so a tree verify would not be lossless. Fix: SGLANG_DFLASH_TREE=0")
 
     def init_cuda_graphs(self):
         from sglang.srt.runtime_context import get_exec
@@ -269,6 +302,11 @@ class DFlashWorker(BaseSpecWorker):
         prefix = batch.seq_lens  # committed lengths; the bonus token sits at position prefix
         k = self._control.choose(bs)  # drafts to verify this step; W = k + 1 tokens per request
         W = k + 1
+        if k > 0 and self._tree_size and tree_step.applies(batch):
+            # a tree step commits up to N <= B tokens whatever k was chosen: the policy sees it as the full width
+            # (its acceptance statistics take 1..k+1 tokens per row), B-1 being one of its widths in every mode
+            self._control.step_begin(bs, B - 1)
+            return self._tree_decode_step(batch, state, prefix, bs, on_publish)
         self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
         # 1) draft: one drafter pass over [bonus, MASK...], drafts for positions 1..k (none when k = 0): point
@@ -321,6 +359,40 @@ class DFlashWorker(BaseSpecWorker):
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=W, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
 
+    def _tree_decode_step(self, batch, state, prefix, bs, on_publish):
+        """A decode step that verifies a draft tree of N nodes (SGLANG_DFLASH_TREE; tree_step.py says why and how):
+        the chain's drafter pass -> best-first tree -> one eager target pass under the tree mask (it also writes
+        every node's draft context K/V at its slot and position) -> verify_tree_greedy -> req_to_token permuted so
+        the path's slots come first. The outputs are commit_outputs' of (commit_lens, tokens), as the chain's."""
+        B, N = self.block, self._tree_size
+        req_to_token = self.req_to_token_pool.req_to_token
+        if not self._logged_tree_step:
+            self._logged_tree_step = True
+            logger.info("sglang-dflash: first tree verify step (%d nodes, batch of %d)", N, bs)
+        with _phase("dflash.draft"):
+            block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs,
+                                                                 self._verify_ids[:bs * B].view(bs, B))
+            out = self._draft_forward(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
+                                      bs)
+            hidden = out.logits_output.hidden_states[: bs * B].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
+            tree = tree_step.build_tree(self.draft_model, hidden, block_ids[:, 0], N)
+        ids, positions, cache_loc = tree_step.verify_inputs(tree, prefix, batch.req_pool_indices, req_to_token)
+        # eager: the verify graphs carry no tree mask (tree_step.eager); the attention hooks read the tree
+        with (_phase("dflash.verify"), tree_step.eager(self.model_runner),
+              tree_step.verifying(tree_step.TreeVerify.of(tree))):
+            logits, graphed = self._verify(batch, ids, positions, cache_loc, self._host_lens(batch, state, N), bs, N)
+        with _phase("dflash.accept"):
+            commit_lens, tokens, path = verify_tree_greedy(tree, logits.view(bs, N, -1))
+            tree_step.commit_path(req_to_token, batch.req_pool_indices, prefix, path)
+            next_ids, bonus, accept_lens, new_seq_lens = commit_outputs(commit_lens, tokens, prefix)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        self._control.step_end()
+        return GenerationBatchResult(
+            logits_output=None, next_token_ids=next_ids, accept_lens=accept_lens,
+            next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=N, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
+
     # ----------------------------------------------------------------------------------- step helpers
     def _block_inputs(self, batch, bonus, prefix, bs, verify_ids):
         """[bonus, MASK...] ids, their positions, and their KV slots (already reserved by prepare_for_decode); the
@@ -365,15 +437,7 @@ class DFlashWorker(BaseSpecWorker):
         """The drafts of block positions 1..k (the pass itself always covers the whole block), a DraftBlock of [bs, k]
         tokens: point masses where temperature (``_draft_temperature``) is None; else the DFlash2 selector's path,
         drawn from q at each row's temperature, with the candidates and q the accept needs."""
-        seq_lens_cpu, seq_lens_sum = host_lens
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
-            req_pool_indices=batch.req_pool_indices, seq_lens=prefix, out_cache_loc=cache_loc.reshape(-1),
-            seq_lens_sum=seq_lens_sum if seq_lens_sum is not None else 0, seq_lens_cpu=seq_lens_cpu,
-            positions=positions.reshape(-1), spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=self._draft_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
-        with torch.inference_mode():
-            out = self.draft_runner.forward(fb)
+        out = self._draft_forward(batch, block_ids, positions, cache_loc, prefix, host_lens, bs)
         graph_head = (out.can_run_graph
                       and getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None) in self._graph_head_bs)
         if graph_head and temperature is None:
@@ -398,6 +462,19 @@ class DFlashWorker(BaseSpecWorker):
         # draws are this rank's own: DFlash2 is refused at --tp-size > 1 (startup.py), where ranks would verify
         # different drafts
         return self.draft_model.propose(hidden, anchors, temperature)
+
+    def _draft_forward(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs):
+        """The drafter's one pass over the blocks [bonus, MASK x (B-1)] (a TARGET_VERIFY-shaped batch, the draft
+        CUDA graphs where captured); its output holds the final draft hidden rows of every block position."""
+        seq_lens_cpu, seq_lens_sum = host_lens
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
+            req_pool_indices=batch.req_pool_indices, seq_lens=prefix, out_cache_loc=cache_loc.reshape(-1),
+            seq_lens_sum=seq_lens_sum if seq_lens_sum is not None else 0, seq_lens_cpu=seq_lens_cpu,
+            positions=positions.reshape(-1), spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
+        with torch.inference_mode():
+            return self.draft_runner.forward(fb)
 
     def _verify(self, batch, verify_ids, positions, cache_loc, host_lens, bs, width):
         vin = DFlashVerifyInput(draft_token=verify_ids.reshape(-1), positions=positions.reshape(-1),
