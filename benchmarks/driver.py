@@ -15,6 +15,8 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
 - ``ours-fixed``: ours with adaptive speculation off (every step verifies the full block, as the builtin does);
 - ``ours-k<N>``: ours with the verify width pinned to N drafts per step (``ours-k0``: plain decode steps through
   our worker), to measure each width the adaptive policy chooses from;
+- ``ours-tree<N>``: ours-fixed verifying a best-first draft tree of N nodes instead of the chain
+  (``SGLANG_DFLASH_TREE=N``; issue #38);
 - ``<method>-rerun``: the same server as ``<method>``, run again under its own name. ``--bracket`` appends the
   first method's rerun after all the others, so the report's ``<first>-rerun/<first>`` column is the run's own drift:
   on a host-bound target, plain decoding alone moved by up to 1.7x between runs in one loan, and the first server on
@@ -63,7 +65,8 @@ PLUGIN_CHECK = (
 
 def method_variant(method: str) -> tuple[str, dict]:
     """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls,
-    ``<method>-rerun`` is ``<method>`` again."""
+    ``ours-tree<N>`` is ours-fixed verifying a draft tree of N nodes (``SGLANG_DFLASH_TREE``), ``<method>-rerun`` is
+    ``<method>`` again."""
     if method.endswith(RERUN):
         return method_variant(method[:-len(RERUN)])
     if method == "ours-fixed":
@@ -71,9 +74,12 @@ def method_variant(method: str) -> tuple[str, dict]:
     m = re.fullmatch(r"ours-k(\d+)", method)
     if m:
         return "ours", {settings.K: m.group(1)}
+    m = re.fullmatch(r"ours-tree(\d+)", method)  # the full block drafted every step, a tree of N nodes verified
+    if m:
+        return "ours", {settings.ADAPTIVE: "0", settings.TREE: m.group(1)}
     if method in ("none", "builtin", "ours"):
         return method, {}
-    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed or ours-k<N>, "
+    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed, ours-k<N> or ours-tree<N>, "
                      f"optionally followed by {RERUN}")
 
 
