@@ -329,7 +329,8 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
                      logit_cap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
                      out: torch.Tensor | None = None, max_splits: int | None = None,
                      split_min: int | None = None, tile: tuple | None = None,
-                     tree_parents: torch.Tensor | None = None) -> torch.Tensor:
+                     tree_parents: torch.Tensor | None = None,
+                     tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of each request's block tokens over its paged prefix + its block (see the module docstring).
 
     ``max_q_len``: an upper bound on the per-request query count (SGLang's ``max_extend_len``), <= 32.
@@ -337,6 +338,10 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
     :func:`split_plan` (tests lower ``split_min`` to exercise the split path on short prefixes).
     ``tile``: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of :func:`tile_config`'s (for tuning).
     ``tree_parents``: [N] block-local parent per token (tree mode, see the module docstring).
+    ``tree_mask``: the same tree as :func:`tree_ancestor_bits` gives it (int64 ancestor-and-self bits [N], int32
+    depth [N]), computed once by a caller that runs many layers over one tree: building it from the parents is
+    ~8 small launches per tree level, per call (a 30-layer eager verify of a 16-node tree launched 7,000 kernels
+    per step that way on an H100, benchmarks/results/tree-smollm2-h100).
     """
     n_tok, hq, dk = q.shape
     hkv, dv = k_extend.shape[1], v_extend.shape[-1]
@@ -380,7 +385,9 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
     window = int(window_left) if window_left is not None and window_left >= 0 else -1
     use_cap = logit_cap is not None and logit_cap > 0
 
-    if tree_parents is not None:
+    if tree_mask is not None:
+        tree_bits, tree_depth = tree_mask
+    elif tree_parents is not None:
         tree_bits, tree_depth = tree_ancestor_bits(tree_parents, qo_indptr, max_q_len)
     else:                       # never read (IS_TREE is off): any tensor serves as the pointer
         tree_bits = tree_depth = qo_indptr
@@ -398,7 +405,7 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
         BLOCK_Q=max(MIN_TILE, triton.next_power_of_2(max_q_len)),
         BLOCK_DK=max(MIN_TILE, triton.next_power_of_2(dk)), BLOCK_DV=max(MIN_TILE, triton.next_power_of_2(dv)),
         PAGE_SIZE=page_k, IS_CAUSAL=bool(causal), USE_CAP=use_cap,
-        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks, IS_TREE=tree_parents is not None,
+        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks, IS_TREE=tree_parents is not None or tree_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_splits > 1:

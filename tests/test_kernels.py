@@ -321,12 +321,27 @@ def test_dispatch_leaves_what_it_cannot_serve_to_sglang(monkeypatch, extra):
 
 def _tree_verify(parents: torch.Tensor, width: int):
     """serving/tree_step.TreeVerify of equal-width blocks with these flat block-local parents (depth and mask are
-    the CPU hook's; the GPU dispatch reads the parents only)."""
+    the CPU hook's; the GPU dispatch reads the kernel mask, built here as the kernel would build it)."""
+    from sglang_dflash.kernels.verify_attention import tree_ancestor_bits
     from sglang_dflash.serving.tree_step import TreeVerify
 
     bs = parents.numel() // width
+    qo_indptr = torch.arange(bs + 1) * width
     return TreeVerify(width, torch.zeros(bs, width, dtype=torch.long), torch.zeros(bs, width, width, dtype=torch.bool),
-                      parents)
+                      parents, tree_ancestor_bits(parents, qo_indptr, width))
+
+
+def _reference_taking_the_mask(parents: torch.Tensor):
+    """verify_attention's stand-in on CPU: takes the tree as the hook passes it (``tree_mask``, built once per tree),
+    checks it is the parents' tree and answers with the reference's tree-mode attention."""
+    def run(*args, tree_mask=None, tree_parents=None, **kwargs):
+        assert tree_mask is not None and tree_parents is None, "the hook must pass the prebuilt tree mask"
+        from sglang_dflash.kernels.verify_attention import tree_ancestor_bits
+
+        want_bits, want_depth = tree_ancestor_bits(parents, args[5], kwargs["max_q_len"])  # args[5]: qo_indptr
+        assert torch.equal(tree_mask[0], want_bits) and torch.equal(tree_mask[1], want_depth)
+        return verify_attention_reference(*args, tree_parents=parents, **kwargs)
+    return run
 
 
 def test_dispatch_passes_a_tree_verify_to_our_kernels_tree_mode(monkeypatch):
@@ -338,7 +353,7 @@ def test_dispatch_passes_a_tree_verify_to_our_kernels_tree_mode(monkeypatch):
 
     case = Case("tree_map", prefixes=(9, 4), widths=(6, 6), window_left=3, tree=True)
     tensors, _, kwargs = make_inputs(case)
-    monkeypatch.setattr(va, "verify_attention", verify_attention_reference)   # same contract, runs on CPU
+    monkeypatch.setattr(va, "verify_attention", _reference_taking_the_mask(kwargs["tree_parents"]))  # runs on CPU
     args, out = _extend_args(case, tensors)
     tree = _tree_verify(kwargs["tree_parents"], 6)
     with tree_step.verifying(tree):

@@ -55,7 +55,9 @@ class TreeVerify:
 
     depth     [bs, N] int64  node i sits at position prefix + depth[:, i]
     ancestors [bs, N, N] bool  row i: the block keys node i may see (its ancestors and itself)
-    parents   [bs * N] int64 block-local parent per verify token (root -1): the GPU kernel's ``tree_parents``
+    parents   [bs * N] int64 block-local parent per verify token (root -1)
+    kernel_mask  (bits [bs * N] int64, depth [bs * N] int32): the GPU kernel's tree mode input (``tree_mask``), bit j
+              of node i set when node j is an ancestor of i or i itself; built once here, for every layer's call
     reads     how many attention calls applied the tree (``claim``): the worker checks that some did, so an
               attention path that ignores the tree fails the step instead of attending causally over the nodes"""
 
@@ -63,11 +65,15 @@ class TreeVerify:
     depth: torch.Tensor
     ancestors: torch.Tensor
     parents: torch.Tensor
+    kernel_mask: tuple[torch.Tensor, torch.Tensor]
     reads: int = 0
 
     @classmethod
     def of(cls, tree: DraftTree) -> TreeVerify:
-        return cls(tree.size, tree.depth, tree.ancestors, tree.parents.reshape(-1).contiguous())
+        columns = torch.arange(tree.size, device=tree.ancestors.device)
+        bits = (tree.ancestors.long() << columns).sum(-1).reshape(-1)  # N <= B <= 32 nodes: fits an int64
+        return cls(tree.size, tree.depth, tree.ancestors, tree.parents.reshape(-1).contiguous(),
+                   (bits, tree.depth.reshape(-1).to(torch.int32)))
 
     def claim(self, width: int) -> TreeVerify:
         """An attention hook takes the tree for a batch of ``width`` tokens per request (must be the tree's size)."""

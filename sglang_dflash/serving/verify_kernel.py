@@ -144,5 +144,5 @@ def extend_compatible_verify(sglang_fn, q_extend, k_extend, v_extend, o_extend, 
         max_q_len=int(max_len_extend), sm_scale=sm_scale or q_extend.shape[-1] ** -0.5, causal=bool(is_causal),
         window_left=sliding_window_size if sliding_window_size is not None else -1, logit_cap=logit_cap or 0.0,
         k_scale=float(k_scale), v_scale=float(v_scale), out=o_extend,
-        tree_parents=tree.parents if tree is not None else None)
+        tree_mask=tree.kernel_mask if tree is not None else None)  # built once per tree, not per layer
     return o_extend

@@ -234,3 +234,15 @@ def test_a_tree_step_is_reported_to_the_width_policy_as_the_full_width():
     batch.seq_lens = torch.tensor([5, 9])
     batch.spec_info = make_draft_input_v2(bonus_tokens=torch.tensor([1, 2]), new_seq_lens=batch.seq_lens)
     assert DFlashWorker._decode_step(stub, batch, None) == "tree step" and begun == [15]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernel_mask_is_the_kernels_own_tree(seed):
+    """TreeVerify.kernel_mask (built once per tree verify from the tree's ancestor mask) is what the kernel would
+    build from the parents on every layer's call (kernels/verify_attention.tree_ancestor_bits)."""
+    from sglang_dflash.kernels.verify_attention import tree_ancestor_bits
+
+    tree = _random_tree(3, 12, seed=seed)
+    bits, depth = tree_step.TreeVerify.of(tree).kernel_mask
+    want_bits, want_depth = tree_ancestor_bits(tree.parents.reshape(-1), torch.arange(4) * tree.size, tree.size)
+    assert torch.equal(bits, want_bits) and torch.equal(depth, want_depth)
