@@ -405,7 +405,8 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
         BLOCK_Q=max(MIN_TILE, triton.next_power_of_2(max_q_len)),
         BLOCK_DK=max(MIN_TILE, triton.next_power_of_2(dk)), BLOCK_DV=max(MIN_TILE, triton.next_power_of_2(dv)),
         PAGE_SIZE=page_k, IS_CAUSAL=bool(causal), USE_CAP=use_cap,
-        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks, IS_TREE=tree_parents is not None or tree_mask is not None,
+        MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks,
+        IS_TREE=tree_parents is not None or tree_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_splits > 1:

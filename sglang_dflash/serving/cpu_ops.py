@@ -3,8 +3,9 @@
 - ``assign_req_to_token_pool``: SGLang calls sgl_kernel's ``assign_req_to_token_pool_cpu``, which the CUDA-only
   PyPI wheel does not ship; speculative KV reservation (prepare_for_decode) needs it.
 - torch_native attention has no TARGET_VERIFY branch (``verify_attention``: W query rows per request over its
-  committed K/V and the W new rows, causal or under a draft tree's ancestor mask (tree verify, tree_step.py), where torch_native's extend path would build a query as long as the whole
-  context and cost O(context^2) per layer, the CPU verify's main cost before).
+  committed K/V and the W new rows, causal or under a draft tree's ancestor mask (tree verify, tree_step.py),
+  where torch_native's extend path would build a query as long as the whole context and cost O(context^2) per
+  layer, the CPU verify's main cost before).
 - ``StreamlessIndices``: overlap scheduling calls ``record_stream`` on the FutureMap's index tensor; that op exists
   for CUDA tensors only. On CPU there are no streams, so recording one is a no-op.
 """

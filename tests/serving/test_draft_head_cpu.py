@@ -9,6 +9,7 @@ and ``_draft`` runs on a stand-in draft runner whose forward reports a replay (o
 
 from __future__ import annotations
 
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,7 @@ def stand_in(hidden: torch.Tensor, replayed_bs: int | None):
     me = SimpleNamespace(block=B, draft_runner=runner, _draft_spec_info=None, _graph_head_bs=set(),
                          _graph_drafts=torch.full((CAP, B - 1), -1, dtype=torch.int64),
                          draft_model=SimpleNamespace(greedy_drafts=lambda h, anchors: (h @ head.T).argmax(-1)))
+    me._draft_forward = types.MethodType(worker.DFlashWorker._draft_forward, me)  # the drafter pass, on the stand-in
     return me, head
 
 

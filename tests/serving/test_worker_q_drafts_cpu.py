@@ -78,6 +78,7 @@ def stand_in(hidden_rows, selector, n):
                          _tp_group=None)
     me._sampled = lambda *a: worker.DFlashWorker._sampled(me, *a)
     me._rank0_outcome = lambda *a: worker.DFlashWorker._rank0_outcome(me, *a)
+    me._draft_forward = lambda *a: worker.DFlashWorker._draft_forward(me, *a)
     return me
 
 
