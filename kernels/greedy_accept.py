@@ -78,6 +78,18 @@ def commit_outputs(commit_lens: torch.Tensor, tokens: torch.Tensor, prefix: torc
             prefix + commit_lens.to(prefix.dtype))
 
 
+def plain_accept(target_ids: torch.Tensor, prefix: torch.Tensor):
+    """``greedy_accept`` of a plain step (W = 1, no drafts): the target's argmax is the one committed token. Four
+    cheap torch launches (two fills, a view, an add) instead of the Triton launch, whose Python launcher alone
+    (~0.1 ms, benchmarks/results/k0-host-h100) is host time on every k = 0 step, the step the adaptive floor is
+    made of. The same outputs as greedy_accept / greedy_accept_torch at W = 1 (tests/test_step_kernels.py)."""
+    bs = target_ids.shape[0]
+    commit = torch.ones((bs,), dtype=torch.int64, device=target_ids.device)
+    tokens = target_ids.view(bs, 1)
+    return (commit, tokens, tokens.reshape(-1), tokens[:, 0], torch.ones((bs,), dtype=torch.int32,
+                                                                          device=target_ids.device), prefix + 1)
+
+
 def greedy_accept_torch(target_ids: torch.Tensor, drafts: torch.Tensor, prefix: torch.Tensor):
     """``greedy_accept`` in torch: the foundation's rule (``acceptance.verify_greedy_ids``), then
     ``commit_outputs``."""

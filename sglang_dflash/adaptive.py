@@ -98,6 +98,7 @@ class AcceptanceStats:
         self._accepted = np.zeros(block_size - 1)
         self._observed = np.zeros(block_size - 1)
         self._expected: np.ndarray | None = None  # cache of expected_commit(), dropped on update
+        self._evidence: np.ndarray | None = None  # cache of evidence_commit(), dropped with it
         self._stale_settled = True  # every position's weight at or below the stale floor (a k = 0 step is a no-op)
         self.rows_seen = 0
 
@@ -136,7 +137,7 @@ class AcceptanceStats:
         decay = np.where(seen, decay, stale)
         self._accepted = self._accepted * decay + accepted * share
         self._observed = self._observed * decay + observed * share
-        self._expected = None
+        self._expected = self._evidence = None
         self._stale_settled = bool((self._observed <= self._floor).all())
 
     def acceptance(self) -> np.ndarray:
@@ -148,6 +149,18 @@ class AcceptanceStats:
         if self._expected is None:
             self._expected = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance()))])
         return self._expected
+
+    def evidence_commit(self) -> np.ndarray:
+        """[B]: E[committed tokens | k drafts] from the observed rows alone; a position with under one row of
+        (decayed) evidence keeps the prior. The smoothed estimate cannot tell a useless drafter from an unknown one:
+        at the stale floor (8 rows) a position that never accepted still reads prior / 9 = 0.056, which put
+        E[commit | 15] at ~1.1 with a random drafter and kept timing widths that could not pay (issue #34). The
+        question "could any width pay?" is about evidence, so it reads this."""
+        if self._evidence is None:
+            obs = self._observed
+            a = np.where(obs >= 1.0, self._accepted / np.maximum(obs, 1e-300), self.prior)
+            self._evidence = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])
+        return self._evidence
 
 
 
@@ -285,16 +298,18 @@ class WidthPolicy:
     two widths the decision flips with every update, which would keep full-width probes (4.5 plain steps each at
     batch 64 on an H100) frequent.
 
-    The doubling is also capped by cost: the interval never exceeds the one at which probes add `probe_budget` (1%)
-    to the step time. On the H100 table that is ~37 steps at batch 1 (a probe costs 0.37 of a plain step more than a
-    k = 0 step) and ~351 at batch 64 (3.5 plain steps more), so exploration costs about 1% at any batch size: small
-    batches keep re-checking a marginal drafter they switched off after an unlucky run of rows (without the cap it
-    stays off for up to probe_max_every steps), large batches, where a probe is expensive, probe rarely.
+    The doubling is also capped by cost: the interval never exceeds the one at which probes add `probe_budget`
+    (0.5%) to the step time. On the H100 table that is ~74 steps at batch 1 (a probe costs 0.37 of a plain step
+    more than a k = 0 step) and ~700 at batch 64 (3.5 plain steps more), so exploration costs about 0.5% at any
+    batch size: small batches keep re-checking a marginal drafter they switched off after an unlucky run of rows
+    (without the cap it stays off for up to probe_max_every steps), large batches, where a probe is expensive, probe
+    rarely. The budget was 1% until the adaptive floor (issue #34: >= 0.97x plain decoding with a useless drafter)
+    showed every percent spent on probes; at batch 1 on an 8B target 74 steps are still half a second.
     """
 
     def __init__(self, block_size: int, widths: Sequence[int], costs: StepCostTable,
                  stats: AcceptanceStats | None = None, pinned: int | None = None, adaptive: bool = True,
-                 probe_every: int = 16, probe_max_every: int = 1024, probe_budget: float = 0.01):
+                 probe_every: int = 16, probe_max_every: int = 1024, probe_budget: float = 0.005):
         widths = [int(k) for k in widths]
         if not widths or widths != sorted(set(widths)) or widths[0] < 0 or widths[-1] > block_size - 1:
             raise ValueError(f"widths={widths}: need strictly increasing draft counts in 0..{block_size - 1} "

@@ -310,10 +310,10 @@ def test_a_probe_that_lowers_the_decision_does_not_reset_the_interval():
     assert policy.probe_interval == 8  # doubled as after any probe that did not raise the decision
 
 
-@pytest.mark.parametrize("bs, longest_gap", [(1, 37), (64, 351)])
+@pytest.mark.parametrize("bs, longest_gap", [(1, 73), (64, 702)])
 def test_probes_back_off_only_as_far_as_their_cost_requires(bs, longest_gap):
-    # A probe at bs 1 costs 0.37 plain steps more than a k = 0 step: 1% of the step time buys one every ~37 steps.
-    # At bs 64 it costs 3.5 plain steps: one per ~351 steps. The doubling stops there, below probe_max_every.
+    # A probe at bs 1 costs 0.37 plain steps more than a k = 0 step: 0.5% of the step time buys one every ~74 steps.
+    # At bs 64 it costs 3.5 plain steps: one per ~702 steps. The doubling stops there, below probe_max_every.
     rng = np.random.default_rng(6)
     policy = WidthPolicy(B, WIDTHS, h100_table(), probe_every=16, probe_max_every=1024)
     ks, _ = simulate(policy, bs, lambda s: np.zeros(B - 1), 6000, rng)

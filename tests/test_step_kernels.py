@@ -177,6 +177,17 @@ def test_torch_twin_is_the_foundations_rule_plus_the_step_outputs():
         assert got["new_lens"].dtype == dt and torch.equal(got["new_lens"].long(), prefix.long() + commit_lens)
 
 
+def test_plain_accept_is_greedy_accept_at_width_one():
+    from sglang_dflash.kernels.greedy_accept import plain_accept
+
+    for i, dt in enumerate((torch.int64, torch.int32)):
+        target, verify_ids, prefix = make_case(9, 1, dt, seed=10 + i)
+        want = dict(zip(NAMES, greedy_accept_torch(target, verify_ids[:, 1:], prefix)))
+        got = dict(zip(NAMES, plain_accept(target, prefix)))
+        for name in NAMES:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
 def test_verify_metadata_torch_twin_is_the_definition():
     from sglang_dflash.kernels.verify_metadata import verify_metadata_torch
 

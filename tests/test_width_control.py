@@ -80,9 +80,13 @@ def test_useless_drafter_times_wide_widths_only_at_the_first_bucket(monkeypatch)
     rng = np.random.default_rng(0)
     ctl = _controller(monkeypatch)
     first = _run(ctl, 1, 200, 0.0, rng)
-    # the first bucket times everything (prior 0.5); a width's run is its untimed first step (its cycle starts after
-    # another width's), a warm-up try, then EXPLORE_STEPS - 1 timed tries
-    assert set(first[:(EXPLORE_STEPS + 2) * 4]) == {0, 3, 7, 15}
+    # the first bucket times k = 0 and the first wide width (prior 0.5: nothing seen yet); its rows, none accepted,
+    # are evidence that no width can pay (AcceptanceStats.evidence_commit), so 7 and 15 are never explored: the
+    # only wide steps after that are probes, at least probe_every steps apart
+    assert set(first[:EXPLORE_STEPS + 2]) == {0} and 3 in first[EXPLORE_STEPS + 2:2 * (EXPLORE_STEPS + 2)]
+    assert 7 not in first
+    probes = [i for i, k in enumerate(first) if k == 15]
+    assert probes and all(b - a >= 16 for a, b in zip(probes, probes[1:])), probes
     for bs in (8, 32, 64, 128):
         ks = _run(ctl, bs, 256, 0.0, rng)
         wide = sum(k > 0 for k in ks)

@@ -261,8 +261,9 @@ class WidthController:
 
     def _could_pay(self, k: int) -> bool:
         """k = 0 is the reference; a wider step never costs less than a plain one, so it can pay only if it commits
-        more than one token per step on average."""
-        return k == 0 or self.policy.stats.expected_commit()[k] > 1.0 + USELESS_GAIN
+        more than one token per step on average, by the rows seen (AcceptanceStats.evidence_commit: the prior's
+        pseudo-row alone reads ~1.1 for a drafter that never had a draft accepted)."""
+        return k == 0 or self.policy.stats.evidence_commit()[k] > 1.0 + USELESS_GAIN
 
     # ------------------------------------------------------------------------------------- step feedback
     def step_begin(self, bs: int, k: int) -> None:

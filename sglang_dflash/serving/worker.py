@@ -45,7 +45,7 @@ import torch
 from ..acceptance import verify_sampled, verify_sampled_logits, verify_sampled_q
 from ..dflash2 import DraftBlock
 from ..kernels.block_inputs import block_inputs_torch
-from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch
+from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_accept
 from ..sampling import SamplingTensors, processed_probs
 from ..tree_acceptance import verify_tree_greedy
 from . import compat, tree_step
@@ -504,8 +504,11 @@ class DFlashWorker(BaseSpecWorker):
         the outputs SGLang's scheduler reads (kernels/greedy_accept.commit_outputs defines them). ``draft``: the
         step's DraftBlock (None at k = 0); its q, when set, is the distribution the drafts were drawn from."""
         info = batch.sampling_info
-        if info is None or info.is_all_greedy:  # the rule and the outputs in one launch on the GPU (k = 0 too)
-            return self._greedy_accept(logits.argmax(dim=-1), verify_ids[:, 1:], prefix)
+        if info is None or info.is_all_greedy:  # the rule and the outputs in one launch on the GPU
+            target_ids = logits.argmax(dim=-1)
+            if verify_ids.shape[1] == 1:  # k = 0: the argmax is the commit; cheaper than any kernel launch
+                return plain_accept(target_ids, prefix)
+            return self._greedy_accept(target_ids, verify_ids[:, 1:], prefix)
         drawn_from = draft if draft is not None and draft.q is not None else None
         commit_lens, tokens = self._rank0_outcome(*self._sampled(info, verify_ids[:, 1:], logits, drawn_from))
         return (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
