@@ -51,6 +51,7 @@ from ..tree_acceptance import verify_tree_greedy
 from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
+from .kernel_warmup import warm_kv_slot_kernels
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit
 from .startup import DFlashStartupError, load_draft_config
@@ -193,6 +194,8 @@ class DFlashWorker(BaseSpecWorker):
         # per-request sampling controls, one row per request slot of the shared req_to_token pool
         self._controls = SamplingControls(req_to_token_pool.req_to_token.shape[0],
                                           self.model_runner.model_config.vocab_size, self.device)
+        # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token
+        warm_kv_slot_kernels(req_to_token_pool.req_to_token, self._block_ids.shape[0])
 
     def init_attention_backends(self):
         self._draft_worker.init_attention_backends()
