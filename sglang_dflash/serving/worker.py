@@ -229,9 +229,10 @@ class DFlashWorker(BaseSpecWorker):
 
         self._graph_greedy_head = settings().graph_head
         if enabled and self._tree_size:
-            # the tree's static buffers, sized for every batch size either graph runner captures
+            # the tree's static buffers, sized for every batch size the draft (width B) and tree verify (width N)
+            # graphs capture (SGLang's list, from the same server arguments and request pool for both runners)
             max_bs = max([self._graph_drafts.shape[0], *capture_sizes(self.model_runner, self._tree_size),
-                          *capture_sizes(self.draft_runner, self.block)])
+                          *capture_sizes(self.model_runner, self.block)])
             self._tree_buffers = TreeBuffers(max_bs, self._tree_size, self.device)
         if enabled and hooks is not None and (self._graph_greedy_head or self._tree_buffers is not None):
             hooks.append(self._capture_draft_head)
