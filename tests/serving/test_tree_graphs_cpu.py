@@ -293,7 +293,29 @@ def test_graphed_tree_step_verifies_from_the_static_buffers(built_in_graph, capl
     assert out.accept_lens.tolist() == _accept_lens(tree, seen, prefix) and out.can_run_cuda_graph
     assert me._tree_counts == {"verify graphed": 1, "verify eager": 0, "built in graph": int(built_in_graph),
                                "built eagerly": int(not built_in_graph)}
-    assert "tree steps: 1 (verify graphed 1, eager 0" in caplog.text
+    from benchmarks.tree_graph_check import tree_counts  # what the GPU runs read from the server log
+
+    assert tree_counts(caplog.text) == {"steps": 1, "verify_graphed": 1, "verify_eager": 0,
+                                        "built_in_graph": int(built_in_graph), "built_eagerly": int(not built_in_graph)}
+
+
+def test_startup_line_says_whether_tree_steps_run_graphed(caplog):
+    pytest.importorskip("sglang")
+    from benchmarks.tree_graph_check import startup_line
+    from sglang_dflash.serving import worker
+
+    runner = SimpleNamespace(capture_bs=[1, 2, 4])
+    graphed = SimpleNamespace(_tree_size=N, _tree_graphs=SimpleNamespace(runner=runner), _graph_tree_bs={4, 1})
+    eager = SimpleNamespace(_tree_size=N, _tree_graphs=None, _graph_tree_bs=set())
+    with caplog.at_level(logging.INFO, logger="sglang_dflash"):
+        worker.DFlashWorker._log_tree_graphs(graphed)
+        assert startup_line(caplog.text) == (
+            f"tree steps ({N} nodes): verify replays tree verify CUDA graphs for batch sizes [1, 2, 4] (larger: "
+            "eager); tree build inside the draft CUDA graphs for batch sizes [1, 4] (others: eager)")
+        caplog.clear()
+        worker.DFlashWorker._log_tree_graphs(eager)
+        assert startup_line(caplog.text) == (f"tree steps ({N} nodes): verify eager (no target verify graphs); "
+                                             "tree build eager")
 
 
 def test_tree_step_past_the_captured_sizes_is_eager():
