@@ -21,6 +21,10 @@ verify_metadata.py's hook). The block's own K/V reach the kernel as k_extend, ma
 the stored depths. The draft context commit (context_commit.py) runs inside the verify forward, so it is captured
 too: it writes every node's context K/V at the node's slot (out_cache_loc) and position (positions).
 
+Costs: the tree head runs in every draft replay of its batch sizes, so a tree server's chain steps (batches a tree
+step does not serve: sampled, penalties, grammar, ...) pay it too (N-1 small batched steps, graphed); the tree
+verify graphs are one more set of target graphs (memory logged at start-up).
+
 Pad rows (a batch padded up to a captured size) read rows [bs, padded) of the buffers: the causal chain they start
 with, or a tree an earlier step (or a draft replay's own pad rows) left there. Every such row is a valid tree mask
 (its own bit set, depths < N), and a pad row's outputs are dropped and its K/V land in the pool's dummy slot 0, so
