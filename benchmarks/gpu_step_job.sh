@@ -98,7 +98,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -m benchmarks.report $JOB/tree-smol --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100"
       python3 -m benchmarks.tree_graph_check $JOB/tree-smol/*.server.log > $JOB/tree-smol/tree_graphs.txt 2>&1
       OUT= RUN=$JOB/tree-8b SHAPE=qwen3-8b METHODS="${TREE_8B_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" \
-        TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1200 COMMON_ARGS="$COMMON_8B" \
+        TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_8B" \
         bash benchmarks/gpu_cost_run.sh
       python3 -m benchmarks.tree_graph_check $JOB/tree-8b/*.server.log > $JOB/tree-8b/tree_graphs.txt 2>&1
       cat $JOB/tree-smol/tree_graphs.txt $JOB/tree-8b/tree_graphs.txt ;;
