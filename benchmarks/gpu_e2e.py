@@ -3,8 +3,12 @@ speculation, greedy, at c=1 and c=32; SGLang's builtin DFLASH on the same pair a
 
     python -m benchmarks.gpu_e2e --build-tiny /tmp/tiny-pair --out $OUT/e2e          # build + run the tiny pair
     python -m benchmarks.gpu_e2e --target T --draft D --out DIR [--methods ours,builtin,ours@fa4]
+    python -m benchmarks.gpu_e2e --build-tiny /tmp/tiny-pair --out DIR --methods ours-fixed,ours-tree16,ours-tree8
 
-A method is `ours` or `builtin`, optionally `@BACKEND` for the draft attention backend (default triton).
+A method is `ours`, `builtin` or one of benchmarks/driver.py's variants of ours (`ours-fixed`, `ours-k<N>`,
+`ours-tree<N>`: the full block drafted, a tree of N nodes verified), optionally `@BACKEND` for the draft attention
+backend (default triton). A tree method passes only if its server's tree steps replayed CUDA graphs (its log's
+tree-step count, benchmarks/tree_graph_check.py; `tree_steps` in the summary).
 
 Every output is compared token for token with the no-speculation server at the same concurrency. A divergence is
 excused only where, in a fresh baseline forward at that position, the speculative token's logprob is within
@@ -25,6 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.driver import method_variant
+from benchmarks.tree_graph_check import startup_line, tree_counts
+from sglang_dflash import settings
 from sglang_dflash.testing import launch_server, worker_env
 
 
@@ -165,7 +172,8 @@ def main(argv=None) -> int:
         for item in [m for m in args.methods.split(",") if m]:
             method, _, backend = item.partition("@")
             name = f"{method}_{backend}" if backend else method
-            menv = worker_env(env, builtin=method == "builtin")
+            base_method, extra_env = method_variant(method)
+            menv = {**worker_env(env, builtin=base_method == "builtin"), **extra_env}
             server = launch_server(target, 30000, args.out / f"{name}.log",
                                    spec_args + ["--speculative-draft-attention-backend", backend or "triton"], menv)
             t0 = time.time()
@@ -190,12 +198,16 @@ def main(argv=None) -> int:
                 log = (args.out / f"{name}.log").read_text(errors="replace")
                 res["our_worker_logged"] = "sglang_dflash.serving.worker.DFlashWorker" in log
                 res["cuda_graph_logged"] = "cuda graph" in log.lower()
+                if settings.TREE in extra_env:
+                    res["tree_startup"], res["tree_steps"] = startup_line(log), tree_counts(log)
             except Exception as e:
                 res = {"error": f"{type(e).__name__}: {e}"[-4000:]}
             finally:
                 server.stop()
             failures = len(res.get("c1", {}).get("failures", [1])) + len(res.get("c32", {}).get("failures", [1]))
-            ok &= (failures == 0 and res.get("sampled_T1_ok", False)) if method == "ours" else True
+            ok &= (failures == 0 and res.get("sampled_T1_ok", False)) if base_method == "ours" else True
+            if settings.TREE in extra_env:  # a tree server must have verified trees from its CUDA graphs
+                ok &= bool(res.get("tree_steps") and res["tree_steps"]["verify_graphed"] > 0)
             summary["methods"][name] = res
             print(f"[gpu_e2e] {name}: {json.dumps(res)[:2000]}", flush=True)
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))  # partial results survive a cut

@@ -32,10 +32,17 @@
 #   ttft   issue #34 items 1, 2, 5: Qwen3-8B shape, TTFT_METHODS (none,builtin,ours,ours-fixed) then none again
 #          (--bracket), c = 1..128, each level's TTFT split into the server's own stages (queue, prefill forward;
 #          --enable-metrics + bench --server-metrics)                                              -> /tmp/job/ttft
-#   tree   issue #38 item 5: chain (ours-fixed) against draft trees (ours-tree<N>: the full block drafted, N nodes
-#          verified, eagerly): SmolLM2 + DRAFTER on gsm and HumanEval at c = 1, 8 with none bracketing
-#          (TREE_SMOL_METHODS)                                                                     -> /tmp/job/tree-smol
+#   tree   issue #38 items 1, 2, 5: chain (ours-fixed) against draft trees (ours-tree<N>: the full block drafted, N
+#          nodes verified; CUDA graphs on: tree built in the draft graph, verified by tree verify graphs):
+#          SmolLM2 + DRAFTER on gsm and HumanEval at c = 1, 8 with none bracketing (TREE_SMOL_METHODS)
+#                                                                                                  -> /tmp/job/tree-smol
 #          then the Qwen3-8B shape's step cost, c = 1, 8, 32 (TREE_8B_METHODS)                      -> /tmp/job/tree-8b
+#          each with tree_graphs.txt: per tree server, its graphed / eager tree-step counts
+#          (benchmarks/tree_graph_check)
+#   treeeq issue #38: greedy equality of graphed tree steps with plain decoding (gpu_e2e, its tie analysis; bf16 with
+#          an fp32 lm_head, as float32 has no sgl_kernel RMSNorm): the tiny pair and SmolLM2 + DRAFTER, methods
+#          TREE_EQ_METHODS (ours-fixed,ours-tree16,ours-tree8); exit 1 of a run = a failure or no graphed tree step
+#                                                                         -> /tmp/job/tree-e2e-tiny, tree-e2e-smol
 #   dflash2  issue #36 item 4: ours-fixed with the Qwen3-8B-shaped drafter as DFlash and as DFlash2
 #          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
 # PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
@@ -89,8 +96,26 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         -- --datasets gsm,humaneval --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 --min-convs 16 \
         --warmup 2 --no-progress
       python3 -m benchmarks.report $JOB/tree-smol --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100"
-      OUT= RUN=$JOB/tree-8b SHAPE=qwen3-8b METHODS="${TREE_8B_METHODS:-none,ours-fixed,ours-tree16}" TEMPERATURES=0 \
-        CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=900 COMMON_ARGS="$COMMON_8B" bash benchmarks/gpu_cost_run.sh ;;
+      python3 -m benchmarks.tree_graph_check $JOB/tree-smol/*.server.log > $JOB/tree-smol/tree_graphs.txt 2>&1
+      OUT= RUN=$JOB/tree-8b SHAPE=qwen3-8b METHODS="${TREE_8B_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" \
+        TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_8B" \
+        bash benchmarks/gpu_cost_run.sh
+      python3 -m benchmarks.tree_graph_check $JOB/tree-8b/*.server.log > $JOB/tree-8b/tree_graphs.txt 2>&1
+      cat $JOB/tree-smol/tree_graphs.txt $JOB/tree-8b/tree_graphs.txt ;;
+    treeeq)
+      e2e_args="--attention-backend triton --mem-fraction-static 0.25 --cuda-graph-max-bs-decode 32
+ --grammar-backend none --sampling-backend pytorch --dtype bfloat16 --enable-fp32-lm-head --disable-prefill-cuda-graph"
+      mkdir -p $JOB/tree-e2e-tiny $JOB/tree-e2e-smol
+      python3 -m benchmarks.gpu_e2e --build-tiny /tmp/tiny-pair --out $JOB/tree-e2e-tiny --wait-s 300 --tie-tol 0.05 \
+        --methods "${TREE_EQ_METHODS:-ours-fixed,ours-tree16,ours-tree8}" --server-args "$e2e_args" \
+        > $JOB/tree-e2e-tiny/e2e.log 2>&1
+      echo "tiny tree e2e exit $?" | tee -a $JOB/tree-e2e-tiny/e2e.log
+      wait_smollm2
+      python3 -m benchmarks.gpu_e2e --target /tmp/smollm2 --draft "$DRAFTER" --chat --prompts 32 --max-new-tokens 96 \
+        --tie-tol 0.25 --wait-s 300 --methods "${TREE_EQ_METHODS:-ours-fixed,ours-tree16,ours-tree8}" \
+        --server-args "$e2e_args" > $JOB/tree-e2e-smol/e2e.log 2>&1
+      echo "smollm2 tree e2e exit $?" | tee -a $JOB/tree-e2e-smol/e2e.log
+      python3 -m benchmarks.tree_graph_check $JOB/tree-e2e-tiny/*.log $JOB/tree-e2e-smol/*.log ;;
     dflash2)
       [ -d /tmp/shape-qwen3-8b-dflash2 ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b \
         /tmp/shape-qwen3-8b-dflash2 --dflash2 || exit 1
@@ -163,7 +188,8 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d tree-smol tree-8b ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
+    ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"

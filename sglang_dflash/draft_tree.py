@@ -89,7 +89,11 @@ def build_draft_tree(anchor: torch.Tensor, draft_logits: torch.Tensor, size: int
     k = max(1, min(size - 1, vocab))  # no node can have more than size - 1 children
     top_lp, top_id = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)  # [n, B-1, k], rank order
     rows = torch.arange(n, device=dev)
-    neg = torch.tensor(-torch.inf, device=dev)
+    # constants as device tensors: a Python scalar in torch.where or an indexed write is a 0-dim CPU tensor that the
+    # op copies to the device, a host copy a CUDA graph capture refuses
+    neg = torch.full((), -torch.inf, device=dev)
+    dead = torch.full((), DEAD, dtype=torch.long, device=dev)
+    one, zero = torch.ones((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
 
     tokens = torch.full((n, size), -1, dtype=torch.long, device=dev)
     parents = torch.full_like(tokens, -1)
@@ -110,16 +114,17 @@ def build_draft_tree(anchor: torch.Tensor, draft_logits: torch.Tensor, size: int
         # a row whose frontier ran dry (fewer paths of probability > 0 than nodes) gets DEAD nodes: token -1, which
         # no acceptance rule accepts (the engine feeds the target a valid id in their place; nothing reads them)
         live = torch.isfinite(score)
-        d = torch.where(live, d, 1)  # an empty slot may carry depth limit + 1: keep the gathers in range
-        tokens[:, node] = torch.where(live, top_id[rows, d - 1, r], DEAD)
-        parents[:, node] = torch.where(live, par, 0)
+        d = torch.where(live, d, one)  # an empty slot may carry depth limit + 1: keep the gathers in range
+        tokens[:, node] = torch.where(live, top_id[rows, d - 1, r], dead)
+        parents[:, node] = torch.where(live, par, zero)
         depth[:, node] = d
         log_prob[:, node] = torch.where(live, score, neg)
         # successor 1 replaces the popped slot: the new node's first child, one level deeper
         deeper = d < depth_limit
         dc = d.clamp(max=depth_limit - 1)
         f_score[rows, best] = torch.where(live & deeper, score + top_lp[rows, dc, 0], neg)
-        f_parent[rows, best], f_depth[rows, best], f_rank[rows, best] = torch.full_like(par, node), d + 1, 0
+        f_parent[rows, best], f_depth[rows, best] = torch.full_like(par, node), d + 1
+        f_rank[rows, best] = zero.expand(n)
         # successor 2 takes a fresh slot: the popped node's next sibling (same parent, next rank at its depth)
         more = r + 1 < k
         rn = (r + 1).clamp(max=k - 1)

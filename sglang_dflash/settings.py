@@ -186,7 +186,8 @@ SWITCHES: tuple[Switch, ...] = (
            "tree verify (issue #38, serving/tree_step.py): N > 0 verifies a best-first draft tree of N nodes from the "
            "same drafter pass instead of the chain, in drafted steps of all-greedy batches without penalties, "
            "grammar, logit_bias or logprobs (others keep the chain); DFlash drafters, --tp-size 1, --page-size 1, no "
-           "hybrid targets, GPU: --attention-backend triton; tree verifies run eagerly (no CUDA graph)"),
+           "hybrid targets, GPU: --attention-backend triton; under CUDA graphs the tree is built in the draft graph and "
+           "verified by tree verify graphs of width N (serving/tree_graphs.py; eager past the captured sizes)"),
 )
 NAMES = tuple(s.name for s in SWITCHES)
 _BY_NAME = {s.name: s for s in SWITCHES}

@@ -76,3 +76,16 @@ def test_small_vocabulary_leaves_dead_nodes():
     tree = build_draft_tree(torch.tensor([0]), torch.randn(1, 2, 2), 8)
     assert (tree.tokens[0, 1:] == DEAD).sum() == 1 and tree.tokens[0, -1] == DEAD
     assert torch.isinf(tree.log_prob[0, -1])
+
+
+@pytest.mark.parametrize("size,vocab", [(16, 50), (8, 5), (32, 3)])
+def test_build_draft_tree_is_graph_capturable(size, vocab):
+    """The serving worker records build_draft_tree into the draft CUDA graph (serving/tree_graphs.py): no host
+    syncs, no data-dependent shapes, no host-to-device copies of Python values (tests/_capturable.py)."""
+    from _capturable import assert_capturable
+
+    g = torch.Generator().manual_seed(size)
+    logits = torch.randn(3, 15, vocab, generator=g)
+    logits[0, :, 1:] = -torch.inf  # one live path of 15 nodes: a tree of 32 has DEAD nodes, built by the same ops
+    tree = assert_capturable(build_draft_tree, torch.tensor([1, 2, 0]), logits, size)
+    assert (tree.tokens[0, 1:16] == 0).all() and (tree.tokens[0, 16:] == DEAD).all()

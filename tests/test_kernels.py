@@ -461,6 +461,48 @@ def test_gpu_kernel_matches_sglang(case):
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=BF16_ATOL)
 
 
+@needs_cuda
+def test_gpu_tree_mask_is_read_from_static_buffers_in_a_cuda_graph():
+    """What the tree verify graphs rely on (serving/tree_graphs.py): a CUDA graph captured with the tree mask in
+    static buffers reads whatever the buffers hold at replay. Two different trees stored in turn into the same
+    buffers, one graph replayed after each: each output is the reference's for the tree stored."""
+    from sglang_dflash.kernels.verify_attention import tree_ancestor_bits, verify_attention
+
+    case = Case("tree_graph", prefixes=(1000, 17, 300), widths=(16, 16, 16), dk=128, kv_heads=8, group=4, tree=True,
+                max_splits=None, split_min=256)
+    tensors, _, kwargs = make_inputs(case, device="cuda", dtype=torch.bfloat16, seed=1)
+    other = make_inputs(case, device="cuda", dtype=torch.bfloat16, seed=2)[2]["tree_parents"]
+    trees = [kwargs.pop("tree_parents"), other]
+    assert not torch.equal(trees[0], trees[1])
+    n_tok = sum(case.widths)
+    bits, depth = torch.empty(n_tok, dtype=torch.int64, device="cuda"), torch.empty(n_tok, dtype=torch.int32,
+                                                                                     device="cuda")
+    out = torch.empty(n_tok, tensors["q"].shape[1], case.dk, dtype=torch.bfloat16, device="cuda")
+
+    def store(parents):
+        b, d = tree_ancestor_bits(parents, tensors["qo_indptr"], 16)
+        bits.copy_(b)
+        depth.copy_(d)
+
+    def run():
+        verify_attention(**tensors, **kwargs, max_q_len=16, out=out, tree_mask=(bits, depth))
+
+    store(trees[1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for parents in trees:
+        store(parents)
+        graph.replay()
+        want = verify_attention_reference(**tensors, **kwargs, tree_parents=parents)
+        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=BF16_ATOL)
+
+
 if __name__ == "__main__" and "--interpret" in sys.argv:
     # Child of interpreter_errors(): TRITON_INTERPRET=1 is in the environment before anything imports triton.
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"

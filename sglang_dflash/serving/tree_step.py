@@ -6,11 +6,13 @@ the best tree under the drafter's own model: ``sglang_dflash/draft_tree.py``; th
 steps on plain torch, ``reference/engine.py: ReferenceEngine._tree_step``). One step:
 
     draft   the chain step's drafter pass; its hidden rows of block positions 1..B-1 through the target's lm_head
-            (``build_tree``) -> draft_tree.build_draft_tree: N nodes, root = the bonus
+            (``build_tree``) -> draft_tree.build_draft_tree: N nodes, root = the bonus; on the GPU recorded into
+            the draft CUDA graph (tree_graphs.py), eager where a batch size's draft graph has no tree head
     verify  one target pass over the N nodes (``verify_inputs``): node i at position prefix + depth_i, in KV slot
             req_to_token[req, prefix + i] (a slot the request owns: the scheduler reserves committed + 2B per
             request, and N <= B), attention under the tree mask (``TreeVerify``, read by the attention hooks:
-            cpu_ops.verify_attention on CPU, kernels/verify_attention.py's tree mode on GPU); eager (``eager``)
+            cpu_ops.verify_attention on CPU, kernels/verify_attention.py's tree mode on GPU); a replay of the
+            tree verify CUDA graphs (tree_graphs.py), eager (``eager``) without them or past their batch sizes
     accept  tree_acceptance.verify_tree_greedy -> commit_lens, tokens, path (the tree rows to keep)
     commit  ``commit_path``: permute req_to_token[req, prefix : prefix + N] so the path's slots come first
 
@@ -25,18 +27,21 @@ reads them (as with a chain's rejected rows). Page size 1 only: a paged pool tie
 
 Why the tree is passed to the attention through a module-level context (``verifying`` / ``active``): SGLang calls
 the attention backend deep inside the target model's forward with a ForwardBatch it builds itself; the tree is
-state of one forward, so the worker sets it around exactly that call and the two hooks (the CPU torch_native hook
-in plugin.py, the GPU triton hook in verify_kernel.py) read it. Outside a tree verify it is None, and every other
-TARGET_VERIFY forward (the chain's, the drafter's block pass) is untouched. The hooks check that the batch's width
-is the tree's size.
+state of one forward, so the worker sets it around exactly that call (and the tree graphs' capture around theirs)
+and the two hooks (the CPU torch_native hook in plugin.py, the GPU triton hook in verify_kernel.py) read it. Outside
+a tree verify it is None, and every other TARGET_VERIFY forward (the chain's, the drafter's block pass) is untouched.
+The hooks check that the batch's width is the tree's size.
 
-Why eager: the target's verify CUDA graphs (SGLang's at width B, ours at the adaptive widths) were captured without
-a tree mask, so replaying one would attend causally over the block. ``eager`` hides the graph runner from the model
-runner for that one forward, which makes SGLang's own ``prepare_for_verify`` plan eager attention metadata and
-``ModelRunner.forward`` run the model eagerly (the path a batch larger than the captured sizes takes).
+Graphs: the chain's verify CUDA graphs (SGLang's at width B, ours at the adaptive widths) were captured without a
+tree mask, so replaying one would attend causally over the block. Tree steps replay their own graphs, captured
+while ``active()`` held a TreeVerify whose kernel mask lives in static buffers (tree_graphs.py: what is captured,
+what a replay copies). Where none applies (CPU, --disable-cuda-graph, a batch past the captured sizes) the verify
+runs eagerly: ``eager`` hides the graph runner from the model runner for that one forward, which makes SGLang's own
+``prepare_for_verify`` plan eager attention metadata and ``ModelRunner.forward`` run the model eagerly.
 
 No host synchronisation: every function here is tensor ops on the step's device tensors (the tree is built by
-N-1 batched steps; its shapes depend on N and B only).
+N-1 batched steps; its shapes depend on N and B only), and ``build_tree`` / ``verify_inputs`` / ``kernel_mask``
+are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ class TreeVerify:
     kernel_mask  (bits [bs * N] int64, depth [bs * N] int32): the GPU kernel's tree mode input (``tree_mask``), bit j
               of node i set when node j is an ancestor of i or i itself; built once here, for every layer's call
     reads     how many attention calls applied the tree (``claim``): the worker checks that some did, so an
-              attention path that ignores the tree fails the step instead of attending causally over the nodes"""
+              attention path that ignores the tree fails the step instead of attending causally over the nodes
+    replayed  set when the forward was a CUDA-graph replay (tree_graphs.py): no Python runs in a replay, so no call
+              claims the tree; the captured calls did, with this mask's static buffers"""
 
     size: int
     depth: torch.Tensor
@@ -67,13 +74,11 @@ class TreeVerify:
     parents: torch.Tensor
     kernel_mask: tuple[torch.Tensor, torch.Tensor]
     reads: int = 0
+    replayed: bool = False
 
     @classmethod
     def of(cls, tree: DraftTree) -> TreeVerify:
-        columns = torch.arange(tree.size, device=tree.ancestors.device)
-        bits = (tree.ancestors.long() << columns).sum(-1).reshape(-1)  # N <= B <= 32 nodes: fits an int64
-        return cls(tree.size, tree.depth, tree.ancestors, tree.parents.reshape(-1).contiguous(),
-                   (bits, tree.depth.reshape(-1).to(torch.int32)))
+        return cls(tree.size, tree.depth, tree.ancestors, tree.parents.reshape(-1).contiguous(), kernel_mask(tree))
 
     def claim(self, width: int) -> TreeVerify:
         """An attention hook takes the tree for a batch of ``width`` tokens per request (must be the tree's size)."""
@@ -103,7 +108,7 @@ def verifying(tree: TreeVerify):
         yield tree
     finally:
         _active = None
-    if tree.reads == 0:
+    if tree.reads == 0 and not tree.replayed:
         raise RuntimeError("a tree verify ran without any attention layer applying the tree mask: the target's "
                            "attention backend is not one the tree hooks serve (CPU: torch_native; GPU: triton with "
                            "our verify kernel). Fix: use that backend, or SGLANG_DFLASH_TREE=0")
@@ -113,7 +118,7 @@ def verifying(tree: TreeVerify):
 def eager(model_runner):
     """Within this block the target's model runner has no decode CUDA graph runner: the verify's metadata is
     planned eagerly (DFlashVerifyInput.prepare_for_verify) and ModelRunner.forward runs the model eagerly. The
-    verify graphs carry no tree mask (module doc)."""
+    chain's verify graphs carry no tree mask (module doc); a tree step without tree graphs of its size takes this."""
     saved = model_runner.decode_cuda_graph_runner
     model_runner.decode_cuda_graph_runner = None
     try:
@@ -145,10 +150,23 @@ def build_tree(draft_model, hidden: torch.Tensor, anchors: torch.Tensor, size: i
     positions 1..B-1, ``anchors`` [bs] the bonus tokens. The draft logits are the chain's draft head's
     (draft_model.draft_logits: the target's lm_head, output multiplier, softcap), over the vocabulary's own rows
     (lm_head padding rows dropped); --tp-size 1 (refused otherwise at start-up), so the rank holds them all."""
+    return tree_of_logits(draft_model, draft_model.draft_logits(hidden), anchors, size)
+
+
+def tree_of_logits(draft_model, logits: torch.Tensor, anchors: torch.Tensor, size: int) -> DraftTree:
+    """``build_tree`` from the draft logits [bs * (B-1), lm_head rows] (the draft graph's tail computes them once
+    for both heads). Capturable in a CUDA graph (draft_tree's module doc)."""
     bs = anchors.shape[0]
     start, rows = draft_model.vocab.head_rows
-    logits = draft_model.draft_logits(hidden)[:, start:start + rows]
-    return build_draft_tree(anchors, logits.view(bs, -1, rows), size)
+    return build_draft_tree(anchors, logits[:, start:start + rows].view(bs, -1, rows), size)
+
+
+def kernel_mask(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify kernel's tree mode input of ``tree`` (kernels/verify_attention.tree_ancestor_bits' layout): bits
+    [bs * N] int64 (bit j of node i: j is an ancestor of i, or i itself) and depth [bs * N] int32."""
+    columns = torch.arange(tree.size, device=tree.ancestors.device)
+    bits = (tree.ancestors.long() << columns).sum(-1).reshape(-1)  # N <= B <= 32 nodes: fits an int64
+    return bits, tree.depth.reshape(-1).to(torch.int32)
 
 
 def verify_inputs(tree: DraftTree, prefix: torch.Tensor, req_pool_indices: torch.Tensor,

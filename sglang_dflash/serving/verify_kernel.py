@@ -15,9 +15,11 @@ Both the target's verify and our worker's draft pass run as DFLASH TARGET_VERIFY
 their backend is triton (the draft's non-causal and sliding-window layers included).
 
 Tree verify (``SGLANG_DFLASH_TREE``, serving/tree_step.py): while the worker runs a tree verify's target forward,
-``tree_step.active()`` holds the tree, and the kernel gets its block-local parents (``tree_parents``, the kernel's
-tree mode: node at prefix + depth, ancestors-and-self mask). A tree verify that would fall back to SGLang's kernel
-raises instead (SGLang's kernel would attend causally over the nodes: wrong tokens).
+``tree_step.active()`` holds the tree, and the kernel gets its mask (``TreeVerify.kernel_mask``: ancestor bits and
+depths, the kernel's tree mode: node at prefix + depth, ancestors-and-self mask). The tree verify CUDA graphs are
+captured the same way, with the mask in static buffers that each replay reads (serving/tree_graphs.py). A tree
+verify that would fall back to SGLang's kernel raises instead (SGLang's kernel would attend causally over the nodes:
+wrong tokens).
 
 Switch: ``SGLANG_DFLASH_VERIFY_ATTENTION=sglang`` keeps SGLang's ``extend_attention_fwd``; unset or ``ours`` selects
 ours. Calls our kernel cannot serve exactly (custom mask, attention sinks, score_mod, xai temperature, LSE output /

@@ -25,14 +25,16 @@ and verifies its first k drafts (benchmarks/results/width-acceptance-smollm2-cpu
 shorter block).
 
 Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step with k > 0 whose batch is all-greedy without
-per-request controls verifies an N-node draft tree built from the same drafter pass instead of the chain, eagerly,
-and commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``); every other
-step is the chain step above, unchanged.
+per-request controls verifies an N-node draft tree built from the same drafter pass instead of the chain, and
+commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``); every other step
+is the chain step above, unchanged. On the GPU the tree is built inside the draft CUDA graph (its capture tail, with
+the greedy head) and the verify replays tree verify graphs of width N whose attention reads the tree mask from
+static buffers (tree_graphs.py); without graphs, or past their batch sizes, either part runs eagerly.
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
-the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host, and a tree step allocates its
-few [bs, N] tensors per step; neither syncs.)
+the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host, and an eager tree build or
+verify allocates its few [bs, N] tensors per step; neither syncs.)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_a
 from ..sampling import SamplingTensors, processed_probs
 from ..tree_acceptance import verify_tree_greedy
 from . import compat, tree_step
+from .tree_graphs import TreeBuffers, TreeVerifyGraphs, capture_sizes
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .kernel_warmup import warm_kv_slot_kernels
@@ -64,6 +67,10 @@ logger = logging.getLogger("sglang_dflash")
 # draft rows (bs x (B-1)); larger batches keep it eager, where it computes only the k rows a step verifies (at large
 # batch the head is compute, not launches). SGLANG_DFLASH_GRAPH_HEAD=0 keeps it eager always (for comparison).
 GRAPH_HEAD_MAX_ROWS = 1024
+# The tree head (SGLANG_DFLASH_TREE) joins it for batches of at most this many draft rows: it holds the draft logits'
+# float32 log-softmax ([rows, V]: 290 MB at 480 rows of a 152k vocabulary) in the graph memory pool, and trees pay at
+# small batch only (benchmarks/results/tree-h100); larger batches build the tree eagerly.
+GRAPH_TREE_MAX_ROWS = 512
 
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
@@ -152,6 +159,12 @@ class DFlashWorker(BaseSpecWorker):
         self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
         self._logged_q_drafts = False  # the first step drawing DFlash2 drafts from q says so in the log, once
         self._logged_tree_step = False  # the first tree step says so in the log, once (tests look for it)
+        # tree steps under CUDA graphs (tree_graphs.py; set up in init_cuda_graphs): the static tree buffers, the
+        # tree verify graphs, the draft-graph batch sizes whose replay builds the tree, and how each tree step ran
+        self._tree_buffers: TreeBuffers | None = None
+        self._tree_graphs: TreeVerifyGraphs | None = None
+        self._graph_tree_bs: set[int] = set()
+        self._tree_counts = {"verify graphed": 0, "verify eager": 0, "built in graph": 0, "built eagerly": 0}
         # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
         # their torch twins on CPU
         self._fill_block_inputs, self._greedy_accept = block_inputs_torch, greedy_accept_torch
@@ -171,8 +184,8 @@ class DFlashWorker(BaseSpecWorker):
                     not server_args.disable_overlap_schedule, controls.describe())
         if self._tree_size:
             logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps with k > 0 of all-greedy batches "
-                        "without penalties, grammar, logit_bias or logprobs verify a draft tree of %d nodes, eagerly "
-                        "(the verify CUDA graphs carry no tree mask); other steps verify the chain",
+                        "without penalties, grammar, logit_bias or logprobs verify a draft tree of %d nodes (CUDA "
+                        "graphs or eager: the tree graph line at start-up says which); other steps verify the chain",
                         self._tree_size, self._tree_size)
 
     # ------------------------------------------------------------------------------ scheduler plumbing
@@ -217,8 +230,14 @@ class DFlashWorker(BaseSpecWorker):
         hooks = getattr(self.draft_runner, "capture_tail_hooks", None)
         from ..settings import current as settings
 
-        head_in_graph = enabled and hooks is not None and settings().graph_head
-        if head_in_graph:
+        self._graph_greedy_head = settings().graph_head
+        if enabled and self._tree_size:
+            # the tree's static buffers, sized for every batch size the draft (width B) and tree verify (width N)
+            # graphs capture (SGLang's list, from the same server arguments and request pool for both runners)
+            max_bs = max([self._graph_drafts.shape[0], *capture_sizes(self.model_runner, self._tree_size),
+                          *capture_sizes(self.model_runner, self.block)])
+            self._tree_buffers = TreeBuffers(max_bs, self._tree_size, self.device)
+        if enabled and hooks is not None and (self._graph_greedy_head or self._tree_buffers is not None):
             hooks.append(self._capture_draft_head)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=enabled)
         logger.info("sglang-dflash: draft CUDA graphs %s; greedy draft head %s", "captured" if enabled else "off",
@@ -227,24 +246,55 @@ class DFlashWorker(BaseSpecWorker):
             self._widths.capture()
             logger.info("sglang-dflash: extra target verify graphs for widths %s: %.2f GB", self._widths.widths,
                         self._widths.graph_memory_gb)
+        if self._tree_buffers is not None:
+            self._tree_graphs = TreeVerifyGraphs(self.model_runner, self._tree_buffers)
+            self._tree_graphs.capture()
+        if self._tree_size:
+            self._log_tree_graphs()
         if self.model_runner.decode_cuda_graph_runner is not None and self._commit.calls == 0:
             raise RuntimeError("the target's verify CUDA graphs were captured without the DFLASH context commit "
                                "(the target's forward was not called through model.forward). Fix: run with "
                                "--disable-cuda-graph and report the target model class")
 
+    def _log_tree_graphs(self):
+        """One start-up line: whether tree steps run under CUDA graphs, and for which batch sizes."""
+        graphs = self._tree_graphs
+        verify = (f"replays tree verify CUDA graphs for batch sizes {list(graphs.runner.capture_bs)} (larger: eager)"
+                  if graphs is not None and graphs.runner is not None else "eager (no target verify graphs)")
+        build = (f"inside the draft CUDA graphs for batch sizes {sorted(self._graph_tree_bs)} (others: eager)"
+                 if self._graph_tree_bs else "eager")
+        logger.info("sglang-dflash: tree steps (%d nodes): verify %s; tree build %s", self._tree_size, verify, build)
+
     def _capture_draft_head(self, runner, out, forward_batch, num_tokens):
         """A capture tail hook of the draft runner: the greedy draft head (the target's lm_head + argmax over block
         positions 1..B-1) recorded into the draft CUDA graph, writing self._graph_drafts, so a replay leaves no
         eager launches for the drafts. Batch sizes over GRAPH_HEAD_MAX_ROWS draft rows (or over the buffer) are
-        left out and keep the eager head."""
+        left out and keep the eager head. With tree steps on, the tree head joins it (GRAPH_TREE_MAX_ROWS): the same
+        draft logits -> tree_step.tree_of_logits -> the static tree buffers (tree_graphs.py), so a draft replay
+        leaves the step's tree, its verify inputs and its kernel mask ready."""
         B = self.block
         bs = num_tokens // B
-        if bs * (B - 1) > GRAPH_HEAD_MAX_ROWS or bs > self._graph_drafts.shape[0]:
+        greedy = self._graph_greedy_head and bs * (B - 1) <= GRAPH_HEAD_MAX_ROWS and bs <= self._graph_drafts.shape[0]
+        buffers = self._tree_buffers
+        tree = buffers is not None and bs * (B - 1) <= GRAPH_TREE_MAX_ROWS and bs <= buffers.max_bs
+        if not (greedy or tree):
             return
         hidden = out.hidden_states[:num_tokens].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
         anchors = forward_batch.input_ids[:num_tokens].view(bs, B)[:, 0]  # the blocks' bonus tokens
-        self._graph_drafts[:bs].copy_(self.draft_model.greedy_drafts(hidden, anchors).view(bs, B - 1))
-        self._graph_head_bs.add(bs)
+        if not tree:
+            self._graph_drafts[:bs].copy_(self.draft_model.greedy_drafts(hidden, anchors).view(bs, B - 1))
+            self._graph_head_bs.add(bs)
+            return
+        logits = self.draft_model.draft_logits(hidden)  # one lm_head pass for both heads
+        if greedy:  # greedy_drafts = vocab.greedy(draft_logits) for a DFlash drafter (trees refuse DFlash2)
+            self._graph_drafts[:bs].copy_(self.draft_model.vocab.greedy(logits).view(bs, B - 1))
+            self._graph_head_bs.add(bs)
+        # the draft pass's seq_lens are the committed lengths (the prefix), its req_pool_indices the requests' rows:
+        # static buffers of the draft graph, refilled by each replay
+        buffers.store(tree_step.tree_of_logits(self.draft_model, logits, anchors, self._tree_size),
+                      forward_batch.seq_lens[:bs], forward_batch.req_pool_indices[:bs],
+                      self.req_to_token_pool.req_to_token)
+        self._graph_tree_bs.add(bs)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
         # the scheduler's host-side report of a finished decode step: feeds the width policy with no sync
@@ -364,11 +414,17 @@ class DFlashWorker(BaseSpecWorker):
 
     def _tree_decode_step(self, batch, state, prefix, bs, on_publish):
         """A decode step that verifies a draft tree of N nodes (SGLANG_DFLASH_TREE; tree_step.py says why and how):
-        the chain's drafter pass -> best-first tree -> one eager target pass under the tree mask (it also writes
-        every node's draft context K/V at its slot and position) -> verify_tree_greedy -> req_to_token permuted so
-        the path's slots come first. The outputs are commit_outputs' of (commit_lens, tokens), as the chain's."""
+        the chain's drafter pass -> best-first tree -> one target pass under the tree mask (it also writes every
+        node's draft context K/V at its slot and position) -> verify_tree_greedy -> req_to_token permuted so the
+        path's slots come first. The outputs are commit_outputs' of (commit_lens, tokens), as the chain's.
+
+        Under CUDA graphs (tree_graphs.py) the draft replay builds the tree into the static buffers (where its batch
+        size's draft graph has the tree head; else the eager build is stored there) and the verify replays the tree
+        verify graph; past the captured sizes, or without graphs, both run eagerly as on the CPU."""
         B, N = self.block, self._tree_size
         req_to_token = self.req_to_token_pool.req_to_token
+        buffers, graphs = self._tree_buffers, self._tree_graphs
+        verify_graphed = graphs is not None and graphs.fits(bs)
         if not self._logged_tree_step:
             self._logged_tree_step = True
             logger.info("sglang-dflash: first tree verify step (%d nodes, batch of %d)", N, bs)
@@ -377,13 +433,26 @@ class DFlashWorker(BaseSpecWorker):
                                                                  self._verify_ids[:bs * B].view(bs, B))
             out = self._draft_forward(batch, block_ids, positions, cache_loc, prefix, self._host_lens(batch, state, B),
                                       bs)
-            hidden = out.logits_output.hidden_states[: bs * B].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
-            tree = tree_step.build_tree(self.draft_model, hidden, block_ids[:, 0], N)
-        ids, positions, cache_loc = tree_step.verify_inputs(tree, prefix, batch.req_pool_indices, req_to_token)
-        # eager: the verify graphs carry no tree mask (tree_step.eager); the attention hooks read the tree
-        with (_phase("dflash.verify"), tree_step.eager(self.model_runner),
-              tree_step.verifying(tree_step.TreeVerify.of(tree))):
+            draft_graph_bs = getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None)  # padded bs replayed
+            built_in_graph = buffers is not None and out.can_run_graph and draft_graph_bs in self._graph_tree_bs
+            if not built_in_graph:
+                hidden = out.logits_output.hidden_states[: bs * B].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
+                tree = tree_step.build_tree(self.draft_model, hidden, block_ids[:, 0], N)
+                if verify_graphed:  # the verify graphs read the tree mask from the static buffers
+                    buffers.store(tree, prefix, batch.req_pool_indices, req_to_token)
+        if built_in_graph or verify_graphed:
+            tree, tree_verify = buffers.tree(bs), buffers.verify(bs)
+            ids, positions, cache_loc = buffers.verify_inputs(bs)
+        else:
+            tree_verify = tree_step.TreeVerify.of(tree)
+            ids, positions, cache_loc = tree_step.verify_inputs(tree, prefix, batch.req_pool_indices, req_to_token)
+        # the tree verify graphs, or eager (the chain's verify graphs carry no tree mask: tree_step.eager); an eager
+        # forward's attention hooks read the tree (a replay reads the mask from the static buffers)
+        target = graphs.target() if verify_graphed else tree_step.eager(self.model_runner)
+        with _phase("dflash.verify"), target, tree_step.verifying(tree_verify):
             logits, graphed = self._verify(batch, ids, positions, cache_loc, self._host_lens(batch, state, N), bs, N)
+            tree_verify.replayed = graphed
+        self._count_tree_step(bs, graphed, built_in_graph)
         with _phase("dflash.accept"):
             commit_lens, tokens, path = verify_tree_greedy(tree, logits.view(bs, N, -1))
             tree_step.commit_path(req_to_token, batch.req_pool_indices, prefix, path)
@@ -395,6 +464,18 @@ class DFlashWorker(BaseSpecWorker):
             logits_output=None, next_token_ids=next_ids, accept_lens=accept_lens,
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=N, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
+
+    def _count_tree_step(self, bs, graphed, built_in_graph):
+        """How tree steps ran (verify graphed or eager, tree built in the draft graph or eagerly), logged at tree
+        steps 1, 2, 4, 8, ...: the benchmarks and the GPU tests read the last line."""
+        counts = self._tree_counts
+        counts["verify graphed" if graphed else "verify eager"] += 1
+        counts["built in graph" if built_in_graph else "built eagerly"] += 1
+        steps = counts["verify graphed"] + counts["verify eager"]
+        if steps & (steps - 1) == 0:
+            logger.info("sglang-dflash: tree steps: %d (verify graphed %d, eager %d; tree built in the draft graph "
+                        "%d, eagerly %d; this one: batch of %d)", steps, counts["verify graphed"],
+                        counts["verify eager"], counts["built in graph"], counts["built eagerly"], bs)
 
     # ----------------------------------------------------------------------------------- step helpers
     def _block_inputs(self, batch, bonus, prefix, bs, verify_ids):

@@ -30,6 +30,7 @@ def stand_in(hidden: torch.Tensor, replayed_bs: int | None):
                                            logits_output=SimpleNamespace(hidden_states=hidden)),
         decode_cuda_graph_runner=SimpleNamespace(bs=replayed_bs))
     me = SimpleNamespace(block=B, draft_runner=runner, _draft_spec_info=None, _graph_head_bs=set(),
+                         _graph_greedy_head=True, _tree_buffers=None,  # the chain's head alone (tree off)
                          _graph_drafts=torch.full((CAP, B - 1), -1, dtype=torch.int64),
                          draft_model=SimpleNamespace(greedy_drafts=lambda h, anchors: (h @ head.T).argmax(-1)))
     me._draft_forward = types.MethodType(worker.DFlashWorker._draft_forward, me)  # the drafter pass, on the stand-in

@@ -72,6 +72,14 @@ def test_tree_greedy_equals_plain_decoding(tree_servers, size):
     assert log_count(spec, f"tree verify on ({TREE}={size})") >= 1, "the tree switch was not in force"
     assert log_count(spec, f"first tree verify step ({size} nodes") >= 1, "no tree step ran"
     assert_multi_token(metas, f"greedy requests with a tree of {size}")
+    # no CUDA graphs on the CPU: the start-up line says so, and every counted tree step ran eagerly
+    from benchmarks.tree_graph_check import startup_line, tree_counts
+
+    log = spec.log_path.read_text(errors="replace")
+    assert startup_line(log) == f"tree steps ({size} nodes): verify eager (no target verify graphs); tree build eager"
+    counts = tree_counts(log)
+    assert counts and counts["verify_graphed"] == counts["built_in_graph"] == 0
+    assert counts["verify_eager"] == counts["built_eagerly"] == counts["steps"] >= 1
 
 
 @pytest.mark.slow
