@@ -196,3 +196,23 @@ def test_cli_warm_starts_dflash2_from_a_dflash_drafter(tmp_path):
     with pytest.raises(SystemExit, match="another shape"):  # a backbone of another shape is refused, with the fix
         main(["run", "--tiny", "--out", str(tmp_path / "out2"), "--arch", "dflash2", "--init-drafter",
               str(tmp_path / "init"), "--layers", "3", "--steps", "3", "--n-eval-run", "0", "--quiet"])
+
+
+def test_compare_tau_sets_the_new_drafter_beside_the_base(tmp_path, capsys):
+    from sglang_dflash.train.pipeline import main
+
+    def report(tau_gsm, tau_mt, prompts=32):
+        row = dict(prompts=prompts, max_new_tokens=128)
+        return {"meta": {"drafter": "d"}, "results": {
+            "gsm": {"T=0": {**row, "tau": tau_gsm}, "T=0 replay": {**row, "tau": 9.0}},
+            "mtbench": {"T=0": {**row, "tau": tau_mt}, "T=1": {**row, "tau": 1.5}}}}
+
+    (tmp_path / "new.json").write_text(json.dumps(report(4.6, 2.0)))
+    (tmp_path / "base.json").write_text(json.dumps(report(4.0, 2.5, prompts=16)))
+    main(["compare", "--new", str(tmp_path / "new.json"), "--base", str(tmp_path / "base.json"),
+          "--out", str(tmp_path / "c.json")])
+    table = json.loads((tmp_path / "c.json").read_text())
+    assert table["gsm"] == {"T=0": {"new": 4.6, "base": 4.0, "gain": 0.15, "same_prompts": False}}
+    assert table["mtbench"]["T=0"]["gain"] == -0.2 and table["mtbench"]["T=1"]["gain"] == 0.0
+    assert table["mean_gain"] == {"T=0": round((0.15 - 0.2) / 2, 4), "T=1": 0.0}
+    assert "different prompts" in capsys.readouterr().out

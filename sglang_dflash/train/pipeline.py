@@ -4,6 +4,7 @@
     python -m sglang_dflash.train run --prompts data/prompts.pt --out OUT   # GPU: generate, train, save, quick tau
     python -m sglang_dflash.train generate --prompts data/prompts.pt --out data.pt   # only the responses (SGLang)
     python -m sglang_dflash.train eval --drafter DIR --prompts data/prompts.pt --out tau.json   # tau, T=0 and T=1
+    python -m sglang_dflash.train compare --new tau.json --base tau_shipped.json                # side by side
     python -m sglang_dflash.train run --tiny --out /tmp/x                   # the same pipeline on a tiny random target
 
 Generation (`--generator`): `sglang` (the default where CUDA is available) sends the prompts as token ids to an
@@ -453,6 +454,24 @@ def evaluate(args) -> None:
             print(f"wrote {path}")
 
 
+def compare(args) -> None:
+    """`compare`: the tau of two `eval` outputs side by side (evaluate.compare_tau), e.g. a new drafter against the
+    shipped one measured in the same job."""
+    from .evaluate import compare_tau
+
+    table = compare_tau(json.loads(Path(args.new).read_text()), json.loads(Path(args.base).read_text()))
+    table["new_drafter"] = json.loads(Path(args.new).read_text())["meta"].get("drafter")
+    table["base_drafter"] = json.loads(Path(args.base).read_text())["meta"].get("drafter")
+    for name, runs in table.items():
+        if isinstance(runs, dict) and name != "mean_gain":
+            for key, row in runs.items():
+                print(f"  {name:10s} {key}: tau {row['new']:.2f} vs {row['base']:.2f} ({row['gain']:+.1%})"
+                      + ("" if row["same_prompts"] else "  (different prompts!)"))
+    print(f"  mean gain over the sets: {table['mean_gain']}")
+    if args.out:
+        write_json(table, args.out)
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m sglang_dflash.train", description=__doc__,
@@ -591,7 +610,14 @@ def main(argv=None) -> None:
     q.add_argument("--results-dir", help="also write one JSON per (set, T) here, e.g. benchmarks/results/drafters")
     q.add_argument("--out", required=True)
 
+    q = sub.add_parser("compare", help="tau of two `eval` outputs side by side (new vs base)")
+    q.add_argument("--new", required=True, help="`eval --out` JSON of the new drafter")
+    q.add_argument("--base", required=True, help="`eval --out` JSON of the drafter to beat, same prompts")
+    q.add_argument("--out", help="write the table here (JSON)")
+
     args = p.parse_args(argv)
+    if args.cmd == "compare":
+        return compare(args)
     if args.tiny:
         args.target = "tiny"
         if args.cmd in ("run", "generate"):
