@@ -46,7 +46,8 @@ GEN_SERVER="--attention-backend triton --sampling-backend pytorch --grammar-back
 # greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
 answer() {  # answer PROMPTS_FILE DATA_OUT BUDGET_S [extra generate args]
   python3 -m sglang_dflash.train generate --target "$target" --hf-dir "/tmp/$target" --prompts "$1" --out "$2" \
-    --passes "${GEN_PASSES:-greedy,sampled}" --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
+    --passes "${GEN_PASSES:-greedy,sampled}" --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 \
+    --request-group "${GEN_GROUP:-32}" \
     --gen-budget-s "$3" --quiet "${@:4}" --server-args="$GEN_SERVER"
 }
 

@@ -309,9 +309,9 @@ class Trainer:
                     self.total_steps = max(self.step + 1, min(self.cfg.steps, fit))
                     bar.total = self.total_steps
             if not progress and self.step % (self.cfg.log_every * 20) == 0:
-                recent = self.selector_losses[-100:]
-                selector = f" (selector {sum(recent) / len(recent):.3f})" if recent else ""
-                print(f"step {self.step}/{self.total_steps} loss {sum(self.losses[-100:]) / len(self.losses[-100:]):.3f}"
+                recent, selector = self.losses[-100:], self.selector_losses[-100:]
+                selector = f" (selector {sum(selector) / len(selector):.3f})" if selector else ""
+                print(f"step {self.step}/{self.total_steps} loss {sum(recent) / len(recent):.3f}"
                       f"{selector} lr {self.sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)
             if self.step % self.cfg.log_every == 0:
                 recent = self.selector_losses[-self.cfg.log_every:]
