@@ -216,3 +216,19 @@ def test_compare_tau_sets_the_new_drafter_beside_the_base(tmp_path, capsys):
     assert table["mtbench"]["T=0"]["gain"] == -0.2 and table["mtbench"]["T=1"]["gain"] == 0.0
     assert table["mean_gain"] == {"T=0": round((0.15 - 0.2) / 2, 4), "T=1": 0.0}
     assert "different prompts" in capsys.readouterr().out
+
+
+def test_each_dflash2_part_gets_its_learning_rate(target, store):
+    """Backbone lr, selector lr x selector_lr_scale, convolutions lr x conv_lr_scale (0: frozen in place)."""
+    drafter = dflash2_from(dflash_drafter(target)).train()
+    cfg = TrainConfig(steps=3, batch_size=2, num_anchors=4, lr=1e-3, seed=0, selector_lr_scale=4, conv_lr_scale=0)
+    trainer = Trainer(drafter, target, store, cfg, None)
+    lrs = {id(p): g["lr"] for g in trainer.opt.param_groups for p in g["params"]}
+    named = dict(drafter.named_parameters())
+    assert lrs[id(named["fc.weight"])] == 1e-3 and lrs[id(named["layers.0.mlp.up_proj.weight"])] == 1e-3
+    assert lrs[id(named["candidate_selector.successor_codebook"])] == 4e-3
+    assert lrs[id(named["layers.0.mlp_conv.kernel_projection.weight"])] == 0
+    assert len(lrs) == len(named)  # every parameter in exactly one group
+    conv = drafter.layers[0].attention_conv.base_kernel.detach().clone()
+    trainer.fit(progress=False, resume=False)
+    assert torch.equal(drafter.layers[0].attention_conv.base_kernel, conv)

@@ -53,8 +53,11 @@ def backbone_config(cfg: DFlashConfig) -> DFlashConfig:
     return dataclasses.replace(cfg, architecture=SUPPORTED_ARCHITECTURE, **{k: 0 for k in DFLASH2_KEYS})
 
 
-def is_dflash2_part(name: str) -> bool:
-    return "_conv." in name or name.startswith("candidate_selector.")
+def dflash2_part(name: str) -> str:
+    """Which part a drafter parameter belongs to: "selector", "conv" (DFlash2's new parts) or "backbone"."""
+    if name.startswith("candidate_selector."):
+        return "selector"
+    return "conv" if "_conv." in name else "backbone"
 
 
 @torch.no_grad()
@@ -86,7 +89,7 @@ def warm_start(drafter: DFlashDrafter, init: DFlashDrafter) -> str:
         raise ValueError(f"the init drafter's config {init.config} differs from this drafter's backbone "
                          f"{backbone_config(drafter.config)}")
     missing, unexpected = drafter.load_state_dict(init.state_dict(), strict=False)
-    if unexpected or not all(is_dflash2_part(n) for n in missing):
+    if unexpected or any(dflash2_part(n) == "backbone" for n in missing):
         raise ValueError(f"backbone weights do not match: missing {missing[:6]}, unexpected {unexpected[:6]}")
     return "backbone"
 

@@ -26,7 +26,7 @@ from ..acceptance import accepted_prefix_len
 from ..drafter import DFlashDrafter, check_flex_supported
 from .blocks import IGNORE, build_batch, decayed_block_loss, flex_block_mask, sample_anchors
 from .data import TokenStore
-from .dflash2 import selector_drafts, selector_loss
+from .dflash2 import dflash2_part, selector_drafts, selector_loss
 
 
 @dataclass
@@ -55,6 +55,7 @@ class TrainConfig:
     log_every: int = 25
     selector_weight: float = 1.0  # DFlash2: weight of the selector loss next to the block CE
     selector_lr_scale: float = 1.0  # DFlash2: the selector's learning rate = lr x this (it starts from scratch)
+    conv_lr_scale: float = 1.0  # DFlash2: the convolutions' learning rate = lr x this (see train/dflash2.py)
 
 
 @torch.no_grad()
@@ -149,11 +150,14 @@ class Trainer:
                              "responses or raise max_len")
         self.gen = torch.Generator().manual_seed(cfg.seed)
         groups = []
-        for selector in (False, True):  # DFlash2: the selector (trained from scratch) may take its own lr
-            named = [(n, p) for n, p in drafter.named_parameters() if n.startswith("candidate_selector.") == selector]
-            lr = cfg.lr * (cfg.selector_lr_scale if selector else 1.0)
-            groups += [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr": lr},
-                       {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": lr}]
+        for part, scale in (("backbone", 1.0), ("selector", cfg.selector_lr_scale), ("conv", cfg.conv_lr_scale)):
+            named = [(n, p) for n, p in drafter.named_parameters() if dflash2_part(n) == part]  # DFlash: backbone only
+            lr = cfg.lr * scale
+            # no decay for vectors, nor for DFlash2's base kernels (identity at init: decay would pull tap 0 to 0)
+            decay = [p.ndim >= 2 and not n.endswith("base_kernel") for n, p in named]
+            groups += [{"params": [p for (_, p), d in zip(named, decay) if d], "weight_decay": cfg.weight_decay,
+                        "lr": lr},
+                       {"params": [p for (_, p), d in zip(named, decay) if not d], "weight_decay": 0.0, "lr": lr}]
         self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95))
         self.total_steps = cfg.steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)

@@ -370,7 +370,7 @@ def run(args) -> None:
                      gamma=args.gamma, max_len=args.max_len, attention=args.attention, seed=args.seed,
                      time_budget_s=remaining, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                      log_every=args.log_every, selector_weight=args.selector_weight,
-                     selector_lr_scale=args.selector_lr_scale)
+                     selector_lr_scale=args.selector_lr_scale, conv_lr_scale=args.conv_lr_scale)
     trainer = Trainer(drafter, model, train_store, tc, out / "state", pad_id=pad_id, held_out=held_store)
     t0 = time.time()
     losses = trainer.fit(progress=not args.quiet, resume=not args.fresh)
@@ -574,6 +574,8 @@ def main(argv=None) -> None:
                    "next to the block CE")
     q.add_argument("--selector-lr-scale", type=float, default=1.0,
                    help="--arch dflash2: the selector's learning rate = --lr x this")
+    q.add_argument("--conv-lr-scale", type=float, default=1.0,
+                   help="--arch dflash2: the convolutions' learning rate = --lr x this")
     q.add_argument("--init-drafter", help="a saved drafter directory to start from (same shape; for --arch dflash2 "
                    "also a DFlash drafter of the same backbone) instead of random weights; a trainer state in --out "
                    "still takes precedence (resume)")
