@@ -120,7 +120,7 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     scores = unary + selector.transition(projected, previous.clamp(min=0), candidates)
     hit = candidates == y[:, None]
     covered = hit.any(dim=-1) & (y != IGNORE)
-    target = hit.int().argmax(dim=-1)  # the true token's column (0 where uncovered: weight 0 there)
+    target = hit.float().argmax(dim=-1)  # the true token's column (any where uncovered: weight 0 there)
     ce = F.cross_entropy(scores, target, reduction="none")
     w = position_weights(b, gamma, logits.device)[1:].repeat(n) * covered
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
