@@ -8,7 +8,9 @@
 #              prompt answered twice (greedy, and T = 1 with a per-request seed), token ids only;
 #   2. train:  python -m sglang_dflash.train run --data: training to a deadline (resumable from $out/train/state);
 #   3. tau:    python -m sglang_dflash.train eval: the reference engine in float32 on the held-out sets, greedy
-#              output checked against target-only decoding; one JSON per (set, T) under $out/drafters/;
+#              output checked against target-only decoding; one JSON per (set, T) under $out/drafters/; with
+#              BASELINE_DRAFTER also that drafter on the same prompts (tau_baseline.json, drafters_baseline/) and
+#              both side by side (train compare -> tau_compare.json);
 #   4. server: benchmarks.driver, none vs ours, real prompts, c = $BENCH_CONC, greedy outputs cross-checked.
 # Needs: source benchmarks/gpu_env.sh; bash benchmarks/gpu_stage.sh TARGET (-> /tmp/TARGET); the prompts file
 # (python -m sglang_dflash.train prepare). Start:
@@ -23,6 +25,11 @@
 # SKIP (comma list of phases to skip: data,train,tau,server), WAIT_FOR (a file, e.g. another job's DONE, that the
 # server phase waits for, up to 10 min), SELF_N (requests to sample in phase 0; unset: no phase 0), SELF_STYLES,
 # SELF_BUDGET_S (the sampling's budget, 120), SELF_GEN_BUDGET_S (the answers' budget, 200).
+# GEN_PASSES (greedy,sampled; greedy: one greedy answer per prompt), ARCH (dflash; dflash2: train run --arch dflash2,
+# sizes in TRAIN_ARGS, e.g. --conv-group-size 64), INIT_DRAFTER (train run --init-drafter: a drafter to start from; for
+# ARCH=dflash2 a DFlash drafter gives the backbone), BASELINE_DRAFTER (a drafter the tau phase also measures, to
+# compare with; default INIT_DRAFTER when ARCH=dflash2; "none": none), BASELINE_CHECK (1: check its greedy output
+# against plain decoding too; default 0, the plain decoding then runs once, for the new drafter).
 set -u
 target=${1:?target: smollm2|gemma3}; prompts=${2:?prompts file}; out=${3:?output dir}
 mkdir -p "$out"
@@ -39,7 +46,8 @@ GEN_SERVER="--attention-backend triton --sampling-backend pytorch --grammar-back
 # greedy and T = 1 answers of every prompt: two passes through one server (the second pass reuses its prefixes)
 answer() {  # answer PROMPTS_FILE DATA_OUT BUDGET_S [extra generate args]
   python3 -m sglang_dflash.train generate --target "$target" --hf-dir "/tmp/$target" --prompts "$1" --out "$2" \
-    --passes greedy,sampled --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 --request-group "${GEN_GROUP:-32}" \
+    --passes "${GEN_PASSES:-greedy,sampled}" --max-new-tokens "${MAX_NEW:-256}" --concurrency 512 \
+    --request-group "${GEN_GROUP:-32}" \
     --gen-budget-s "$3" --quiet "${@:4}" --server-args="$GEN_SERVER"
 }
 
@@ -64,16 +72,30 @@ if ! skip train; then
   # TRAIN_END (epoch seconds): train until then, whatever generation took (a loan ends at a fixed time)
   [ -n "${TRAIN_END:-}" ] && TRAIN_S=$((TRAIN_END - $(date +%s)))
   python3 -m sglang_dflash.train run "${T[@]}" --data "$data" ${EXTRA_DATA:-} --out "$out/train" --layers "${LAYERS:-2}" \
+    --arch "${ARCH:-dflash}" ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} \
     --steps 1000000 --batch-size "${BATCH:-16}" --deadline-s "${TRAIN_S:-420}" --reserve-s 30 --n-eval-run 0 --quiet ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
   log "train exit $?"
 fi
 
 drafter=${DRAFTER:-$out/train/drafter}
+baseline=${BASELINE_DRAFTER:-}
+[ -z "$baseline" ] && [ "${ARCH:-dflash}" = dflash2 ] && baseline=${INIT_DRAFTER:-}
+[ "$baseline" = none ] && baseline=
+tau() {  # tau DRAFTER NAME [extra eval args]: $out/NAME.json, one JSON per (set, T) under $out/drafters${NAME#tau}/
+  python3 -m sglang_dflash.train eval "${T[@]}" --drafter "$1" --device cuda --dtype float32 \
+    --n-eval "${N_EVAL:-32}" --eval-new-tokens "${EVAL_NEW:-128}" --temperatures ${EVAL_TEMPS:-0 1} --eval-batch 32 \
+    --out "$out/$2.json" --results-dir "$out/drafters${2#tau}" "${@:3}" > "$out/$2.log" 2>&1
+  log "$2 exit $? ($1)"
+}
 if ! skip tau && [ -f "$drafter/config.json" ]; then
-  python3 -m sglang_dflash.train eval "${T[@]}" --drafter "$drafter" --device cuda --dtype float32 \
-    --n-eval "${N_EVAL:-32}" --eval-new-tokens "${EVAL_NEW:-128}" --temperatures ${EVAL_TEMPS:-0 1} --eval-batch 32 --out "$out/tau.json" \
-    --results-dir "$out/drafters" > "$out/tau.log" 2>&1
-  log "tau exit $?"
+  tau "$drafter" tau
+  if [ -n "$baseline" ]; then
+    check=(--no-greedy-check); [ "${BASELINE_CHECK:-0}" = 1 ] && check=()
+    tau "$baseline" tau_baseline "${check[@]}"
+    python3 -m sglang_dflash.train compare --new "$out/tau.json" --base "$out/tau_baseline.json" \
+      --out "$out/tau_compare.json" > "$out/tau_compare.log" 2>&1
+    log "compare exit $?: $(tail -1 "$out/tau_compare.log")"
+  fi
 fi
 
 if ! skip server && [ -f "$drafter/config.json" ]; then

@@ -96,6 +96,13 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank) * 0.02)
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
+    def transition(self, projected: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """THE transition term < P[a] * W h, S[c] > [n, K] float32, for n rows: projected = W h [n, r] (float32),
+        previous tokens a [n], candidates c [n, K]. The walk scores with it, and so does training's selector loss."""
+        query = self.predecessor_codebook[previous].float() * projected  # [n, r]
+        keys = self.successor_codebook[candidates].float()  # [n, K, r]
+        return torch.einsum("nr,nkr->nk", query, keys)
+
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
              temperature: torch.Tensor | None = None, generator: torch.Generator | None = None) -> DraftBlock:
         """hidden [n, L, H] and draft logits [n, L, V] of positions 1..L, anchor_ids [n] (the bonus tokens),
@@ -105,9 +112,7 @@ class CandidateSelector(nn.Module):
         projected = self.hidden_projection(hidden).float()  # [n, L, r]
         chosen, q_rows, previous = [], [], anchor_ids
         for i in range(hidden.shape[1]):
-            query = self.predecessor_codebook[previous].float() * projected[:, i]  # [n, r]
-            keys = self.successor_codebook[candidates[:, i]].float()  # [n, K, r]
-            scores = unary[:, i] + torch.einsum("nr,nkr->nk", query, keys)
+            scores = unary[:, i] + self.transition(projected[:, i], previous, candidates[:, i])
             best = scores.argmax(dim=-1)
             q = F.one_hot(best, self.top_k).float()
             if temperature is not None:

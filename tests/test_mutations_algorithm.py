@@ -23,9 +23,11 @@ import test_dflash_oracle as oracle_tests
 import test_drafter as drafter_tests
 import test_reference_engine as engine_tests
 import test_tree_acceptance as tree_tests
+import test_train_dflash2 as train_dflash2_tests
 import test_tree_engine as tree_engine_tests
 from sglang_dflash import acceptance, dflash2, drafter, tree_acceptance
 from sglang_dflash.reference import engine, target
+from sglang_dflash.train import dflash2 as train_dflash2
 
 
 def plant(monkeypatch, owner, name: str, old: str, new: str) -> None:
@@ -126,13 +128,13 @@ def test_verify_q_distribution_test_catches(monkeypatch, bug):
 # ---------------------------------------------------------------- DFlash2 against the dflash package (oracle)
 ORACLE_BUGS = {  # bug: (owner, function, old source, new source)
     "selector's transitions always from the anchor": (
-        dflash2.CandidateSelector, "walk", "self.predecessor_codebook[previous]",
-        "self.predecessor_codebook[anchor_ids]"),
+        dflash2.CandidateSelector, "walk", "projected[:, i], previous, candidates[:, i]",
+        "projected[:, i], anchor_ids, candidates[:, i]"),
     "selector's codebooks swapped": (
-        dflash2.CandidateSelector, "walk", "self.successor_codebook[candidates[:, i]]",
-        "self.predecessor_codebook[candidates[:, i]]"),
+        dflash2.CandidateSelector, "transition", "self.successor_codebook[candidates]",
+        "self.predecessor_codebook[candidates]"),
     "selector's transitions use the first position's hidden state": (
-        dflash2.CandidateSelector, "walk", "* projected[:, i]", "* projected[:, 0]"),
+        dflash2.CandidateSelector, "walk", "self.transition(projected[:, i]", "self.transition(projected[:, 0]"),
     "convolution one position late": (
         dflash2.GroupedCausalConv, "_convolve", "F.pad(x[:, :, :-s], (0, 0, 0, 0, s, 0))",
         "F.pad(x[:, :, :-s - 1], (0, 0, 0, 0, s + 1, 0))"),
@@ -235,3 +237,29 @@ def test_no_cache_recompute_catches_a_decode_position_bug(monkeypatch, arch):
           "self.target.forward([r.out[-1]], r.fed, r.cache)", "self.target.forward([r.out[-1]], r.fed + 1, r.cache)")
     with pytest.raises(AssertionError, match="cached greedy != no-cache recompute"):
         engine_tests.test_target_only_greedy_equals_no_cache_recompute(arch)
+
+
+# ---------------------------------------------------------------- DFlash2 training: the selector loss
+SELECTOR_LOSS_BUGS = {  # bug: (function of train/dflash2.py, old source, new source)
+    "previous token is the true token itself": (
+        "previous_tokens", "return torch.cat([ids[:, :1], true[:, :-1]], dim=1)", "return true"),
+    "position 1's previous token is the mask, not the anchor": (
+        "previous_tokens", "true = torch.cat([ids[:, :1], labels[:, 1:]], dim=1)",
+        "true = torch.cat([ids[:, 1:2], labels[:, 1:]], dim=1)"),
+    "rows whose token is no candidate kept": (
+        "selector_loss", "[1:].repeat(n) * covered", "[1:].repeat(n) * (y != IGNORE)"),
+    "position weights one position late": (
+        "selector_loss", "position_weights(b, gamma, logits.device)[1:]",
+        "position_weights(b, gamma, logits.device)[:-1]"),
+    "scores without the unary term": (
+        "selector_loss", "scores = unary + selector.transition", "scores = 0 * unary + selector.transition"),
+}
+
+
+@pytest.mark.parametrize("bug", list(SELECTOR_LOSS_BUGS))
+def test_selector_loss_reference_test_catches(monkeypatch, bug):
+    name, old, new = SELECTOR_LOSS_BUGS[bug]
+    plant(monkeypatch, train_dflash2, name, old, new)
+    with pytest.raises(AssertionError, match="differs from the"):
+        train_dflash2_tests.test_selector_loss_is_the_per_row_definition_value_and_gradients(
+            train_dflash2_tests.tiny_pair_target())

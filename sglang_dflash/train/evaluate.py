@@ -113,6 +113,28 @@ def greedy_tau_teacher_forced(target_model, drafter, prompts: list[list[int]], m
             "method": "teacher-forced replay of greedy verification (greedy_tau_teacher_forced)"}
 
 
+def compare_tau(new: dict, base: dict) -> dict:
+    """Two `train eval` outputs ({"meta", "results": {set: {"T=t": metrics}}}) side by side, for every (set, T) both
+    measured: {set: {"T=t": {"new", "base", "gain" (new / base - 1), "same_prompts"}}}, plus "mean_gain" per T (the
+    mean of the sets' gains). Only tau measured on the same prompts compares: `same_prompts` says whether both runs
+    decoded the same number of prompts with the same max_new_tokens (the held-out sets are fixed by the prompts file).
+    """
+    out: dict = {}
+    gains: dict[str, list[float]] = {}
+    for name, runs in new["results"].items():
+        for key, m in runs.items():
+            b = base["results"].get(name, {}).get(key)
+            if b is None or not key.startswith("T=") or " " in key:
+                continue
+            same = (m["prompts"], m["max_new_tokens"]) == (b["prompts"], b["max_new_tokens"])
+            gain = m["tau"] / b["tau"] - 1
+            out.setdefault(name, {})[key] = {"new": round(m["tau"], 4), "base": round(b["tau"], 4),
+                                             "gain": round(gain, 4), "same_prompts": same}
+            gains.setdefault(key, []).append(gain)
+    out["mean_gain"] = {key: round(sum(g) / len(g), 4) for key, g in gains.items()}
+    return out
+
+
 def write_drafter_results(report: dict, meta: dict, out_dir) -> list:
     """One JSON per (set, temperature) of an `evaluate_sets` report, named `{target}-{set}-T{t}.json`, for
     benchmarks/results/drafters/ (compare drafters at a glance). Keys: target, set, temperature, prompts, tau,

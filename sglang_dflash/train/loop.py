@@ -8,6 +8,7 @@ One step:
     anchors [S, A] in each response --build_batch--> blocks [S, A*B] + mask (dense, or a flex BlockMask)
     drafter(blocks, context = hidden_norm(fc(features))) -> hidden --target lm_head--> logits [S*A*B, V]
     loss = decayed_block_loss(logits, labels)      (weights exp(-(k-1)/gamma), k = 1..B-1)
+         + selector_weight * selector_loss(...)     (DFlash2 drafters only: train/dflash2.py)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..acceptance import accepted_prefix_len
 from ..drafter import DFlashDrafter, check_flex_supported
 from .blocks import IGNORE, build_batch, decayed_block_loss, flex_block_mask, sample_anchors
 from .data import TokenStore
+from .dflash2 import dflash2_part, selector_drafts, selector_loss
 
 
 @dataclass
@@ -51,6 +53,9 @@ class TrainConfig:
     ckpt_every: int = 0  # save trainer state every N steps (0: only at the end)
     eval_every: int = 0  # held-out loss / acceptance every N steps (0: only at the end)
     log_every: int = 25
+    selector_weight: float = 1.0  # DFlash2: weight of the selector loss next to the block CE
+    selector_lr_scale: float = 1.0  # DFlash2: the selector's learning rate = lr x this (it starts from scratch)
+    conv_lr_scale: float = 1.0  # DFlash2: the convolutions' learning rate = lr x this (see train/dflash2.py)
 
 
 @torch.no_grad()
@@ -70,9 +75,28 @@ def pad_batch(seqs: list[torch.Tensor], pad_id: int, device) -> tuple[torch.Tens
     return tokens.to(device), lengths.to(device)
 
 
+@dataclass
+class DraftBatch:
+    """One drafter pass over a batch, every block laid out block after block (N = S*A blocks)."""
+
+    logits: torch.Tensor  # [N*B, V] float32 draft logits
+    labels: torch.Tensor  # [N*B] next tokens, IGNORE at block position 0 and past a sequence's end
+    hidden: torch.Tensor  # [N*B, H] the drafter's final hidden states (DFlash2's selector reads them)
+    ids: torch.Tensor  # [N*B] block ids: the anchor token x_a, then MASK
+
+
 def batch_logits_and_labels(drafter: DFlashDrafter, target_model, tokens, lengths, response_starts, num_anchors,
                             generator=None, attention: str = "dense", anchors: torch.Tensor | None = None):
     """Drafter logits [S*A*B, V] (float32) and labels [S*A*B] for a batch, anchors sampled per sequence."""
+    out = batch_forward(drafter, target_model, tokens, lengths, response_starts, num_anchors, generator, attention,
+                        anchors)
+    return out.logits, out.labels
+
+
+def batch_forward(drafter: DFlashDrafter, target_model, tokens, lengths, response_starts, num_anchors,
+                  generator=None, attention: str = "dense", anchors: torch.Tensor | None = None) -> DraftBatch:
+    """THE training forward: the frozen target's features, the blocks at anchors sampled per sequence (or given),
+    one drafter pass, the draft logits."""
     cfg, dev = drafter.config, tokens.device
     features = batch_features(target_model, cfg.target_layer_ids, tokens)
     if anchors is None:
@@ -91,15 +115,17 @@ def batch_logits_and_labels(drafter: DFlashDrafter, target_model, tokens, length
         visible = blocks.visible
     else:
         raise ValueError(f"attention={attention!r}: use 'dense' or 'flex'")
-    hidden = drafter(embeds, blocks.positions, context, ctx_pos, visible)
-    logits = drafter.draft_logits(hidden.reshape(-1, hidden.shape[-1]), lm_head)
-    return logits, blocks.labels.reshape(-1)
+    hidden = drafter(embeds, blocks.positions, context, ctx_pos, visible).reshape(-1, drafter.config.hidden_size)
+    return DraftBatch(drafter.draft_logits(hidden, lm_head), blocks.labels.reshape(-1), hidden, blocks.ids.reshape(-1))
 
 
-def accept_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+def accept_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int,
+                   drafts: torch.Tensor | None = None) -> torch.Tensor:
     """Per block, the tokens a greedy verify would commit if the target's next tokens are the labels:
-    1 + the number of leading draft positions whose argmax equals the label. [N*B, V], [N*B] -> [N]."""
-    hit = (logits.argmax(-1) == labels).view(-1, block_size)[:, 1:]
+    1 + the number of leading draft positions equal to the label. [N*B, V], [N*B] -> [N]. drafts [N*B]: the drafted
+    tokens (DFlash2: the selector's walk); None: the argmax of the logits (DFlash)."""
+    drafts = logits.argmax(-1) if drafts is None else drafts
+    hit = (drafts == labels).view(-1, block_size)[:, 1:]
     valid = (labels != IGNORE).view(-1, block_size)[:, 1:]
     return 1 + accepted_prefix_len(hit & valid)
 
@@ -123,13 +149,20 @@ class Trainer:
             raise ValueError("no training sequence has >= 2 response tokens within max_len; generate longer "
                              "responses or raise max_len")
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in drafter.named_parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        groups = []
+        for part, scale in (("backbone", 1.0), ("selector", cfg.selector_lr_scale), ("conv", cfg.conv_lr_scale)):
+            named = [(n, p) for n, p in drafter.named_parameters() if dflash2_part(n) == part]  # DFlash: backbone only
+            lr = cfg.lr * scale
+            # no decay for vectors, nor for DFlash2's base kernels (identity at init: decay would pull tap 0 to 0)
+            decay = [p.ndim >= 2 and not n.endswith("base_kernel") for n, p in named]
+            groups += [{"params": [p for (_, p), d in zip(named, decay) if d], "weight_decay": cfg.weight_decay,
+                        "lr": lr},
+                       {"params": [p for (_, p), d in zip(named, decay) if not d], "weight_decay": 0.0, "lr": lr}]
+        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95))
         self.total_steps = cfg.steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.step, self.losses, self.history = 0, [], []
+        self.selector_losses: list[float] = []  # DFlash2: the selector loss of each step (inside self.losses too)
         self.autocast = cfg.bf16 and self.device.type == "cuda"
         if cfg.attention == "flex":
             check_flex_supported(drafter.config)
@@ -166,6 +199,7 @@ class Trainer:
         torch.save({"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(),
                     "sched": self.sched.state_dict(), "step": self.step, "total_steps": self.total_steps,
                     "losses": self.losses, "history": self.history, "gen": self.gen.get_state(),
+                    "selector_losses": self.selector_losses,
                     "config": asdict(self.cfg)}, str(path) + ".part")
         Path(str(path) + ".part").replace(path)
         return path
@@ -181,6 +215,7 @@ class Trainer:
         self.sched.load_state_dict(st["sched"])
         self.step, self.losses, self.history = st["step"], st["losses"], st["history"]
         self.gen.set_state(st["gen"])
+        self.selector_losses = st.get("selector_losses", [])
         return True
 
     # ------------------------------------------------------------------ steps
@@ -194,9 +229,11 @@ class Trainer:
         self.drafter.train()
         tokens, lengths, starts = self._batch()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-            logits, labels = batch_logits_and_labels(self.drafter, self.target, tokens, lengths, starts,
-                                                     self.cfg.num_anchors, self.gen, self.cfg.attention)
-        loss = decayed_block_loss(logits, labels, self.drafter.config.block_size, self.cfg.gamma)
+            out = batch_forward(self.drafter, self.target, tokens, lengths, starts, self.cfg.num_anchors, self.gen,
+                                self.cfg.attention)
+        loss, selector = self.loss(out)  # float32 (the selector's scores as inference computes them)
+        if selector is not None:
+            self.selector_losses.append(selector.item())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
@@ -206,26 +243,54 @@ class Trainer:
         self.losses.append(loss.item())
         return self.losses[-1]
 
+    def loss(self, out: DraftBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the training loss, its selector part or None): the block CE, plus selector_weight x the selector loss
+        for a DFlash2 drafter."""
+        b = self.drafter.config.block_size
+        loss = decayed_block_loss(out.logits, out.labels, b, self.cfg.gamma)
+        if self.drafter.candidate_selector is None or not self.cfg.selector_weight:
+            return loss, None
+        selector, _ = selector_loss(self.drafter.candidate_selector, out.hidden, out.logits, out.labels, out.ids, b,
+                                    self.cfg.gamma)
+        return loss + self.cfg.selector_weight * selector, selector.detach()
+
     @torch.no_grad()
     def evaluate(self, max_seqs: int = 64) -> dict:
         """Held-out loss and the block acceptance length a greedy verify would get at random anchors
-        (exact for greedy-generated data: the labels are the target's own greedy tokens)."""
+        (exact for greedy-generated data: the labels are the target's own greedy tokens). DFlash2: the acceptance of
+        the selector's greedy walk (what inference drafts), and beside it that of the argmax of the draft logits
+        (`..._argmax`: what the backbone alone would draft), the selector loss and its stats."""
         if not self.held_out:
             return {}
         self.drafter.eval()
+        b, dflash2 = self.drafter.config.block_size, self.drafter.candidate_selector is not None
         g = torch.Generator().manual_seed(1234)
-        losses, accepts = [], []
+        rows: dict[str, list[torch.Tensor]] = {}
+
+        def add(key, value):
+            rows.setdefault(key, []).append(value.float().reshape(-1).cpu())
+
         for i in range(0, min(max_seqs, len(self.held_out)), self.cfg.batch_size):
             chunk = self.held_out[i: i + self.cfg.batch_size]
             tokens, lengths = pad_batch([c[0] for c in chunk], self.pad_id, self.device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-                logits, labels = batch_logits_and_labels(self.drafter, self.target, tokens, lengths,
-                                                         [c[1] for c in chunk], self.cfg.num_anchors, g, "dense")
-            losses.append(decayed_block_loss(logits, labels, self.drafter.config.block_size, self.cfg.gamma).item())
-            accepts.append(accept_lengths(logits, labels, self.drafter.config.block_size).float())
+                out = batch_forward(self.drafter, self.target, tokens, lengths, [c[1] for c in chunk],
+                                    self.cfg.num_anchors, g, "dense")
+            add("held_out_loss", decayed_block_loss(out.logits, out.labels, b, self.cfg.gamma))
+            if dflash2:
+                loss, stats = selector_loss(self.drafter.candidate_selector, out.hidden, out.logits, out.labels,
+                                            out.ids, b, self.cfg.gamma)
+                add("held_out_selector_loss", loss)
+                for k, v in stats.items():
+                    add(f"held_out_selector_{k}", v)
+                drafts = selector_drafts(self.drafter, out.hidden, out.logits, out.ids, b)
+                add("held_out_block_accept", accept_lengths(out.logits, out.labels, b, drafts))
+                add("held_out_block_accept_argmax", accept_lengths(out.logits, out.labels, b))
+            else:
+                add("held_out_block_accept", accept_lengths(out.logits, out.labels, b))
         self.drafter.train()
-        return {"step": self.step, "held_out_loss": sum(losses) / len(losses),
-                "held_out_block_accept": torch.cat(accepts).mean().item()}
+        # losses and stats: the mean over chunks; acceptance: the mean over all blocks
+        return {"step": self.step, **{k: torch.cat(v).mean().item() for k, v in rows.items()}}
 
     def fit(self, progress: bool = True, resume: bool = True) -> list[float]:
         if resume and self.load_state():
@@ -248,11 +313,15 @@ class Trainer:
                     self.total_steps = max(self.step + 1, min(self.cfg.steps, fit))
                     bar.total = self.total_steps
             if not progress and self.step % (self.cfg.log_every * 20) == 0:
-                print(f"step {self.step}/{self.total_steps} loss {sum(self.losses[-100:]) / len(self.losses[-100:]):.3f} "
-                      f"lr {self.sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)
+                recent, selector = self.losses[-100:], self.selector_losses[-100:]
+                selector = f" (selector {sum(selector) / len(selector):.3f})" if selector else ""
+                print(f"step {self.step}/{self.total_steps} loss {sum(recent) / len(recent):.3f}"
+                      f"{selector} lr {self.sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)
             if self.step % self.cfg.log_every == 0:
+                recent = self.selector_losses[-self.cfg.log_every:]
                 bar.set_postfix(loss=f"{sum(self.losses[-self.cfg.log_every:]) / self.cfg.log_every:.3f}",
-                                lr=f"{self.sched.get_last_lr()[0]:.2e}")
+                                lr=f"{self.sched.get_last_lr()[0]:.2e}",
+                                **({"selector": f"{sum(recent) / len(recent):.3f}"} if recent else {}))
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                 self.history.append(self.evaluate())
             if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.out_dir is not None:

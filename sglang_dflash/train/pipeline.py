@@ -4,6 +4,7 @@
     python -m sglang_dflash.train run --prompts data/prompts.pt --out OUT   # GPU: generate, train, save, quick tau
     python -m sglang_dflash.train generate --prompts data/prompts.pt --out data.pt   # only the responses (SGLang)
     python -m sglang_dflash.train eval --drafter DIR --prompts data/prompts.pt --out tau.json   # tau, T=0 and T=1
+    python -m sglang_dflash.train compare --new tau.json --base tau_shipped.json                # side by side
     python -m sglang_dflash.train run --tiny --out /tmp/x                   # the same pipeline on a tiny random target
 
 Generation (`--generator`): `sglang` (the default where CUDA is available) sends the prompts as token ids to an
@@ -34,6 +35,7 @@ from ..checkpoint import load_drafter, save_drafter
 from ..config import DFlashConfig
 from ..drafter import DFlashDrafter
 from .data import EVAL_SETS, TokenStore, code_package_versions, eval_prompts, held_out_texts, train_prompts
+from .dflash2 import DEFAULT_SIZES, dflash2_config, neutral_init, warm_start
 from .evaluate import evaluate_sets
 from .generate import generate_responses, generate_with_server, generation_server
 from .loop import Trainer, TrainConfig, plot_losses, write_json
@@ -337,17 +339,27 @@ def run(args) -> None:
     cfg_dict = make_cfg(num_layers=args.layers, **(
         {"intermediate_size": args.drafter_intermediate} if args.drafter_intermediate else {}))
     drafter_cfg = DFlashConfig.from_dict(cfg_dict)
+    if args.arch == "dflash2":
+        drafter_cfg = dflash2_config(drafter_cfg, **{k: getattr(args, k) for k in DEFAULT_SIZES})
     drafter_cfg.validate_against_target(model.config)
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(drafter_cfg).to(device)  # float32 master weights
+    if drafter_cfg.is_dflash2:
+        neutral_init(drafter, args.seed)  # drafts exactly as its backbone alone (train/dflash2.py)
     if args.init_drafter:  # warm start: continue training a saved drafter (a new schedule, the same shape)
         init = load_drafter(args.init_drafter, device=device, dtype=torch.float32, target_config=model.config)
-        if init.config != drafter_cfg:
-            raise SystemExit(f"--init-drafter {args.init_drafter} has another shape than --layers "
-                             f"{args.layers} / --drafter-intermediate {args.drafter_intermediate} give: "
-                             f"{init.config} != {drafter_cfg}. Fix: pass the saved drafter's --layers and "
-                             "--drafter-intermediate")
-        drafter.load_state_dict(init.state_dict())
+        try:
+            if drafter_cfg.is_dflash2:  # a DFlash2 drafter, or a DFlash one as the backbone
+                log["init_drafter_copied"] = warm_start(drafter, init)
+            elif init.config != drafter_cfg:
+                raise ValueError(f"{init.config} != {drafter_cfg}")
+            else:
+                drafter.load_state_dict(init.state_dict())
+        except ValueError as e:
+            raise SystemExit(f"--init-drafter {args.init_drafter} has another shape than --arch {args.arch} / "
+                             f"--layers {args.layers} / --drafter-intermediate {args.drafter_intermediate} (and the "
+                             f"DFlash2 sizes) give: {e}. Fix: pass the saved drafter's --layers and "
+                             "--drafter-intermediate (a DFlash2 init drafter: its sizes too)") from None
         log["init_drafter"] = str(args.init_drafter)
     remaining = None
     if args.deadline_s:
@@ -357,7 +369,8 @@ def run(args) -> None:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, num_anchors=args.anchors, lr=args.lr,
                      gamma=args.gamma, max_len=args.max_len, attention=args.attention, seed=args.seed,
                      time_budget_s=remaining, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-                     log_every=args.log_every)
+                     log_every=args.log_every, selector_weight=args.selector_weight,
+                     selector_lr_scale=args.selector_lr_scale, conv_lr_scale=args.conv_lr_scale)
     trainer = Trainer(drafter, model, train_store, tc, out / "state", pad_id=pad_id, held_out=held_store)
     t0 = time.time()
     losses = trainer.fit(progress=not args.quiet, resume=not args.fresh)
@@ -373,8 +386,11 @@ def run(args) -> None:
     log["train"]["drafter_block_tokens_per_s"] = round(log["train"]["steps_per_s"] * args.batch_size * args.anchors
                                                        * drafter_cfg.block_size)
     log["losses"] = [round(x, 4) for x in losses]
+    if trainer.selector_losses:
+        log["selector_losses"] = [round(x, 4) for x in trainer.selector_losses]
     print(f"trained {trainer.step} steps in {log['timings']['train_s']} s; held-out {trainer.history[-1]}", flush=True)
-    plot_losses(losses, out / "loss.png", f"DFlash drafter for {args.target} ({args.layers} layers)", trainer.history)
+    name = "DFlash2" if drafter_cfg.is_dflash2 else "DFlash"
+    plot_losses(losses, out / "loss.png", f"{name} drafter for {args.target} ({args.layers} layers)", trainer.history)
     save_drafter(drafter, out / "drafter", max_shard_bytes=MAX_SHARD_BYTES, dtype=torch.bfloat16)
     if args.no_state:
         (out / "state" / "trainer_state.pt").unlink(missing_ok=True)
@@ -436,6 +452,24 @@ def evaluate(args) -> None:
         meta["device"] = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
         for path in write_drafter_results(report, meta, args.results_dir):
             print(f"wrote {path}")
+
+
+def compare(args) -> None:
+    """`compare`: the tau of two `eval` outputs side by side (evaluate.compare_tau), e.g. a new drafter against the
+    shipped one measured in the same job."""
+    from .evaluate import compare_tau
+
+    table = compare_tau(json.loads(Path(args.new).read_text()), json.loads(Path(args.base).read_text()))
+    table["new_drafter"] = json.loads(Path(args.new).read_text())["meta"].get("drafter")
+    table["base_drafter"] = json.loads(Path(args.base).read_text())["meta"].get("drafter")
+    for name, runs in table.items():
+        if isinstance(runs, dict) and name != "mean_gain":
+            for key, row in runs.items():
+                print(f"  {name:10s} {key}: tau {row['new']:.2f} vs {row['base']:.2f} ({row['gain']:+.1%})"
+                      + ("" if row["same_prompts"] else "  (different prompts!)"))
+    print(f"  mean gain over the sets: {table['mean_gain']}")
+    if args.out:
+        write_json(table, args.out)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -529,8 +563,22 @@ def main(argv=None) -> None:
     q.add_argument("--gen-batch", type=int, default=256, help="batch of the transformers generator")
     q.add_argument("--held-out-fraction", type=float, default=0.02)
     q.add_argument("--layers", type=int, default=2)
-    q.add_argument("--init-drafter", help="a saved drafter directory to start from (same shape) instead of random "
-                   "weights; a trainer state in --out still takes precedence (resume)")
+    q.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash2: grouped dynamic convolutions around each sublayer and a candidate selector, trained "
+                        "with the selector loss (train/dflash2.py); with a DFlash --init-drafter, its weights are the "
+                        "backbone and the new parts start neutral (the drafts are the DFlash drafter's until trained)")
+    for key, default in DEFAULT_SIZES.items():
+        q.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=default,
+                       help=f"--arch dflash2: dflash_config.{key}")
+    q.add_argument("--selector-weight", type=float, default=1.0, help="--arch dflash2: the selector loss's weight "
+                   "next to the block CE")
+    q.add_argument("--selector-lr-scale", type=float, default=1.0,
+                   help="--arch dflash2: the selector's learning rate = --lr x this")
+    q.add_argument("--conv-lr-scale", type=float, default=1.0,
+                   help="--arch dflash2: the convolutions' learning rate = --lr x this")
+    q.add_argument("--init-drafter", help="a saved drafter directory to start from (same shape; for --arch dflash2 "
+                   "also a DFlash drafter of the same backbone) instead of random weights; a trainer state in --out "
+                   "still takes precedence (resume)")
     q.add_argument("--drafter-intermediate", type=int, default=0,
                    help="the drafter's MLP width (0: the target recipe's default); sets the shipped file size")
     q.add_argument("--steps", type=int, default=4000)
@@ -564,7 +612,14 @@ def main(argv=None) -> None:
     q.add_argument("--results-dir", help="also write one JSON per (set, T) here, e.g. benchmarks/results/drafters")
     q.add_argument("--out", required=True)
 
+    q = sub.add_parser("compare", help="tau of two `eval` outputs side by side (new vs base)")
+    q.add_argument("--new", required=True, help="`eval --out` JSON of the new drafter")
+    q.add_argument("--base", required=True, help="`eval --out` JSON of the drafter to beat, same prompts")
+    q.add_argument("--out", help="write the table here (JSON)")
+
     args = p.parse_args(argv)
+    if args.cmd == "compare":
+        return compare(args)
     if args.tiny:
         args.target = "tiny"
         if args.cmd in ("run", "generate"):
