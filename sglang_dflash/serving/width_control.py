@@ -220,6 +220,7 @@ class WidthController:
                         self.policy.costs.set(bs, k, seconds)
             self._share = None
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
+        self._tree_tries = 0  # tree steps run to learn its commit under a fixed table
         self._samples: dict = collections.defaultdict(list)  # (bucket, k) -> exploration times (for the median)
         self._last_timed: dict = {}  # (bucket, k) -> step count when it was last timed
         self._refresh_after: dict = {}  # (bucket, k) -> steps without a timing before it is retimed
@@ -249,6 +250,12 @@ class WidthController:
         if c.pinned is not None or not c.adaptive or len(self.shapes) == 1:
             return self.policy.choose(bs, tree_ok)
         if self._frozen:
+            if tree_ok and self._tree_tries < EXPLORE_STEPS and self.policy.costs.has(self.tree) \
+                    and self._could_pay(self.tree):
+                # a fixed table prices the tree, but only tree steps tell its commit (its prior is the chain's):
+                # a few tree steps first, as exploration gives them without a fixed table
+                self._tree_tries += 1
+                return self.tree
             return self.policy.choose(bs, tree_ok)
         if self._share is not None and _share_due(self._steps):
             self.policy.costs = self._share(self.local_costs)
