@@ -15,6 +15,10 @@ controls (pin k, adaptivity off) and probing: while the decision is below the la
 runs at the largest width, because the statistics of positions the policy stopped verifying can only be refreshed by
 verifying them.
 
+Trees (SGLANG_DFLASH_TREE, issue #38 item 4): the draft tree is one more shape with key B (`tree_key`), priced by
+`best_shape` from its own step time in the same table and its own expected commit (`TreeStats`: tree rows only,
+never the chain's per-position statistics), probed by the same rule while the decision is something else.
+
 Host-side only and deliberately light: numpy and the standard library, no torch, no SGLang. A decision costs tens of
 microseconds, and the feedback (`record`) may lag the decision by a step or two (overlap scheduling).
 """

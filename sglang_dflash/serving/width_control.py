@@ -23,6 +23,14 @@ running per-position acceptance and a step-time table). This module feeds it wit
   explored at a new bucket (`_worth_timing`): with a useless drafter, timing k = 15 at batch 128 costs ~5 plain
   steps per try, which a short run never earns back.
 
+Trees (SGLANG_DFLASH_TREE=N, issue #38 item 4): the draft tree is one more shape (key B, "tree" in the log, the
+trace and the metric) for batches that qualify (``choose(bs, tree_ok)``, the worker asks ``tree_step.applies``).
+It is explored, timed, clipped and refreshed exactly like a width, per bucket, but only at steps whose batch could
+take it; its commit is learned from tree steps alone (adaptive.TreeStats); it is not timed where the evidence says
+no drafted shape can pay (``_could_pay``). With a fixed table the first EXPLORE_STEPS qualifying steps run the
+tree, since only tree steps tell its commit. Fixed modes (k pinned > 0, adaptivity off, the k schedule) run the tree
+on every drafted step of a qualifying batch, as before the tree was priced.
+
 Tensor parallelism: every rank runs this controller on the same steps, batch sizes and acceptance (the scheduler
 feeds each rank the same results), but on its own clock, and ranks that chose different widths would run different
 collectives and hang. So the decision reads only values every rank holds identically: the acceptance, the step
@@ -39,9 +47,10 @@ Operator controls (environment, read once at startup):
                               0, 3, 7 and B-1, those below B-1 only if they fit)
   SGLANG_DFLASH_K_SCHEDULE=15,0,3  tests: cycle through these k values step after step (forces switches)
   SGLANG_DFLASH_LOG_EVERY_S=30  period of the policy's summary line in the server log
-  SGLANG_DFLASH_STEP_TRACE=FILE  diagnostics: one JSON line per decode step (k, batch size, its cycle, the time
-                              it was charged, the worker's own host time, its commit lengths), for
-                              benchmarks/step_trace.py; "{pid}" in FILE becomes the scheduler's process id
+  SGLANG_DFLASH_TREE=N        the draft tree as one more shape (above); SGLANG_DFLASH_STEP_COSTS' "tree" entry
+  SGLANG_DFLASH_STEP_TRACE=FILE  diagnostics: one JSON line per decode step (k, "tree" for a tree step, batch size,
+                              its cycle, the time it was charged, the worker's own host time, its commit lengths),
+                              for benchmarks/step_trace.py; "{pid}" in FILE becomes the scheduler's process id
 """
 
 from __future__ import annotations

@@ -29,14 +29,15 @@ controls (``tree_step.applies``) may verify an N-node draft tree built from the 
 chain, and commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``). Which
 shape runs is the width policy's choice (width_control.py): the tree is one more shape next to k = 0 and every
 chain width, priced by its own step time and expected commit, so it runs where it pays (with adaptivity off, or a
-pinned k > 0: always, where the batch qualifies). Every other step is the chain step above, unchanged. On the GPU the tree is built inside the draft CUDA graph (its capture tail, with
-the greedy head) and the verify replays tree verify graphs of width N whose attention reads the tree mask from
-static buffers (tree_graphs.py); without graphs, or past their batch sizes, either part runs eagerly.
+pinned k > 0: always, where the batch qualifies). Every other step is the chain step above, unchanged. On the GPU
+the tree is built inside the draft CUDA graph (its capture tail, with the greedy head) and the verify replays tree
+verify graphs of width N whose attention reads the tree mask from static buffers (tree_graphs.py); without graphs,
+or past their batch sizes, either part runs eagerly.
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
-the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host, and an eager tree build or
-verify allocates its few [bs, N] tensors per step; neither syncs.)
+the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host at every decode step, and an
+eager tree build or verify allocates its few [bs, N] tensors per step; neither syncs.)
 """
 
 from __future__ import annotations
