@@ -522,8 +522,12 @@ class WidthPolicy:
                     self._tree_pending.append(d)
                     self.tree_probes += 1
                     k = self.tree
-        self._hist[k] += 1
+        self.count(k)
         return k
+
+    def count(self, k: int) -> None:
+        """A step of shape k was chosen: the histogram (the controller counts its exploration steps here too)."""
+        self._hist[k] += 1
 
     def _affordable_interval(self, bs: int, k: int, probe: int) -> int:
         """The shortest probe interval whose probes add at most probe_budget to the step time of a run of shape k.

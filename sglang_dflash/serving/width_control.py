@@ -264,6 +264,7 @@ class WidthController:
                 # a fixed table prices the tree, but only tree steps tell its commit (its prior is the chain's):
                 # a few tree steps first, as exploration gives them without a fixed table
                 self._tree_tries += 1
+                self.policy.count(self.tree)
                 return self.tree
             return self.policy.choose(bs, tree_ok)
         if self._share is not None and _share_due(self._steps):
@@ -273,6 +274,7 @@ class WidthController:
         for k in shapes:  # explore: time every shape that could win at this batch size before trusting the table
             if self._explored[bucket, k] < EXPLORE_STEPS and ((bucket, k) in self._refreshing
                                                               or self._worth_timing(bs, k)):
+                self.policy.count(k)  # the summary's histogram counts every chosen step
                 return k
         for k in shapes:  # refresh: retime a shape whose entry at this bucket is old (it may be what keeps it unchosen)
             last = self._last_timed.get((bucket, k))
@@ -283,6 +285,7 @@ class WidthController:
                 self._explored[bucket, k] = 1  # a new median from the next tries (the warm-up is not repeated)
                 self._samples[bucket, k].clear()
                 self._refreshing.add((bucket, k))
+                self.policy.count(k)
                 return k
         return self.policy.choose(bs, tree_ok)
 
