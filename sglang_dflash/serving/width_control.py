@@ -162,7 +162,7 @@ def load_step_costs(path: str, ks: list[int], tree: int | None = None) -> dict[i
     def key(k) -> int:
         if k == "tree":
             if tree is None:
-                raise ValueError("a 'tree' entry without SGLANG_DFLASH_TREE")
+                raise ValueError("a 'tree' entry without SGLANG_DFLASH_TREE: set it, or drop the entry")
             return tree
         return int(k)
 
