@@ -14,7 +14,7 @@ import pytest
 from sglang_dflash import settings
 from sglang_dflash.adaptive import TreeStats, best_shape, best_width
 from sglang_dflash.serving import width_control
-from sglang_dflash.serving.width_control import EXPLORE_STEPS, WidthControls, WidthController
+from sglang_dflash.serving.width_control import EXPLORE_STEPS, WidthController, WidthControls
 
 BLOCK = 16
 TREE = BLOCK  # the tree's key (adaptive.tree_key)
