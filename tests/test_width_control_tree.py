@@ -198,3 +198,23 @@ def test_a_fixed_table_prices_the_tree(tmp_path):
     assert ks[100:].count(TREE) > 150
     with pytest.raises(ValueError, match="'tree' entry without SGLANG_DFLASH_TREE"):
         WidthControls.from_env(BLOCK, env={width_control.ENV_STEP_COSTS: str(path)})
+
+
+def test_the_step_trace_names_tree_steps_and_its_table_prices_them(tmp_path):
+    """SGLANG_DFLASH_STEP_TRACE shows a tree step as k = "tree"; benchmarks/step_trace.py summarises it and writes
+    its "tree" entry, which SGLANG_DFLASH_STEP_COSTS reads back as the tree's price."""
+    from benchmarks import step_trace
+
+    trace = tmp_path / "trace.jsonl"
+    ctl = _controller({width_control.ENV_TRACE: str(trace)})
+    _run(ctl, BS, 200, np.random.default_rng(5), _cost_with_tree(1.2))
+    ctl._trace.close()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in rows if "k" in r]
+    assert {"tree", 0, 15} <= {r["k"] for r in steps}
+    costs = step_trace.step_costs(step_trace.summarise(steps))
+    assert costs["tree"][str(BS)] == pytest.approx(_cost_with_tree(1.2)(BS, TREE), rel=0.01)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    table = width_control.load_step_costs(str(path), [0, 3, 7, 15], tree=TREE)
+    assert table[TREE][BS] == costs["tree"][str(BS)]
