@@ -30,7 +30,9 @@ def summarise(rows: list[dict]) -> list[dict]:
     for r in rows:
         groups[r["k"], size_bucket(r["bs"])].append(r)
     out = []
-    for (k, bucket), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    # by bucket, then k, the tree (k = "tree", SGLANG_DFLASH_TREE) after the chain widths
+    order = lambda kv: (kv[0][1], kv[0][0] == "tree", str(kv[0][0]).zfill(4))  # noqa: E731
+    for (k, bucket), rs in sorted(groups.items(), key=order):
         after_same = [r["cycle_ms"] for r in rs if r["cycle_ms"] is not None and r["follows"] == [k, bucket]]
         out.append({
             "k": k, "bucket": bucket, "steps": len(rs),

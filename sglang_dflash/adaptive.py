@@ -15,6 +15,10 @@ controls (pin k, adaptivity off) and probing: while the decision is below the la
 runs at the largest width, because the statistics of positions the policy stopped verifying can only be refreshed by
 verifying them.
 
+Trees (SGLANG_DFLASH_TREE, issue #38 item 4): the draft tree is one more shape with key B (`tree_key`), priced by
+`best_shape` from its own step time in the same table and its own expected commit (`TreeStats`: tree rows only,
+never the chain's per-position statistics), probed by the same rule while the decision is something else.
+
 Host-side only and deliberately light: numpy and the standard library, no torch, no SGLang. A decision costs tens of
 microseconds, and the feedback (`record`) may lag the decision by a step or two (overlap scheduling).
 """
@@ -164,6 +168,62 @@ class AcceptanceStats:
 
 
 
+class TreeStats:
+    """E[committed tokens | tree step]: a decayed mean of the tree steps' commit lengths (issue #38 item 4).
+
+    A tree's acceptance has no per-position form the chain's statistics could hold (a row commits along whichever
+    path it accepted), so tree rows go here and never into AcceptanceStats. Same rules as AcceptanceStats: every
+    row decays the old ones by 2^(-1/halflife_rows); a step that runs no tree decays their weight by
+    2^(-1/stale_halflife_steps), down to stale_floor_rows, so after a chain phase the next tree probe's rows count
+    against a few rows of old evidence. The prior (one row) is given by the caller at read time: the chain's
+    E[commit | B-1] (a tree of N nodes holds a path as deep as the chain's), so before its first rows the tree
+    is priced like the full chain and can be explored."""
+
+    PRIOR_ROWS = 1.0
+
+    def __init__(self, halflife_rows: float = 256.0, stale_halflife_steps: float = 64.0,
+                 stale_floor_rows: float = 8.0):
+        if not halflife_rows > 0 or not stale_halflife_steps > 0 or not stale_floor_rows >= 0:
+            raise ValueError(f"halflife_rows={halflife_rows}, stale_halflife_steps={stale_halflife_steps}, "
+                             f"stale_floor_rows={stale_floor_rows}: need halflives > 0 and a floor >= 0")
+        self._keep = 2.0 ** (-1.0 / halflife_rows)
+        self._stale_keep = 2.0 ** (-1.0 / stale_halflife_steps)
+        self._floor = float(stale_floor_rows)
+        self._sum = 0.0  # decayed sum of commit lengths
+        self._rows = 0.0  # decayed row count (the evidence's weight)
+        self.rows_seen = 0
+
+    def update(self, commit_lens) -> None:
+        """Feed the rows of one tree step. commit_lens: 1-D ints >= 1."""
+        c = np.asarray(commit_lens, dtype=np.int64).reshape(-1)
+        if c.size == 0:
+            return
+        if int(c.min()) < 1:
+            raise ValueError(f"commit_lens {c.tolist()}: a tree step commits at least the bonus token per row")
+        n = int(c.size)
+        decay = self._keep ** n
+        share = (1.0 - decay) / ((1.0 - self._keep) * n)  # n consecutive rows' weights, order-free (AcceptanceStats)
+        self._sum = self._sum * decay + float(c.sum()) * share
+        self._rows = self._rows * decay + n * share
+        self.rows_seen += n
+
+    def skip(self) -> None:
+        """A step that ran no tree: same estimate, less weight (not below the floor)."""
+        if self._rows > self._floor:
+            scale = max(self._stale_keep, self._floor / self._rows)
+            self._sum *= scale
+            self._rows *= scale
+
+    def expected_commit(self, prior: float) -> float:
+        """The smoothed estimate; prior: what an unobserved tree is assumed to commit (one row's weight)."""
+        return (self._sum + prior * self.PRIOR_ROWS) / (self._rows + self.PRIOR_ROWS)
+
+    def evidence_commit(self, prior: float) -> float:
+        """From the observed rows alone; the prior until one row of (decayed) evidence (AcceptanceStats'
+        evidence_commit: the question "could a tree pay?" is about evidence)."""
+        return self._sum / self._rows if self._rows >= 1.0 else prior
+
+
 # ------------------------------------------------------------------------------------------------ step cost
 class StepCostTable:
     """Seconds per step t(bs, k), for the verify widths that have a kernel/graph (`widths`, k values, 0 included), at
@@ -252,6 +312,8 @@ class StepCostTable:
 # A wider width must promise at least this much more throughput than the best narrower one. The step-cost table is
 # measured on the host clock and the acceptance is an estimate: a gain smaller than their noise is not a gain.
 MIN_GAIN = 0.02
+# E[commit] <= 1 + this: no drafted shape can pay (none costs less than a plain step): not timed, not probed
+USELESS_GAIN = 0.02
 
 
 def best_width(expected_commit: Sequence[float], costs: dict[int, float], min_gain: float = MIN_GAIN) -> int:
@@ -285,9 +347,38 @@ def best_width(expected_commit: Sequence[float], costs: dict[int, float], min_ga
     return best_k
 
 
+
+def best_shape(expected_commit: Sequence[float], costs: dict[int, float], tree_commit: float | None = None,
+               min_gain: float = MIN_GAIN) -> int:
+    """best_width with the draft tree as one more shape, a pure function. The tree's key is B = len(expected_commit)
+    (one past the longest chain; ``tree_key``): costs[B] is a tree step's time and tree_commit its expected commit.
+    The tree is chosen only if its rate beats the best chain's by more than min_gain (it is the most expensive
+    shape to run: a draft pass, a tree build and a verify of N nodes), and it is priced at least as a plain step
+    (never cheaper than k = 0, the running-maximum rule of best_width). Without a tree entry (or tree_commit None)
+    this is best_width."""
+    tree = len(expected_commit)
+    chain = {k: c for k, c in costs.items() if k != tree}
+    if tree not in costs or tree_commit is None:
+        return best_width(expected_commit, chain, min_gain)
+    if not costs[tree] > 0:
+        raise ValueError(f"costs[tree]={costs[tree]}: a step time must be > 0")
+    tree_rate = tree_commit / max(costs[tree], chain.get(0, 0.0))
+    if not chain:
+        return tree
+    k = best_width(expected_commit, chain, min_gain)
+    chain_rate = expected_commit[k] / max(c for j, c in chain.items() if j <= k)
+    return tree if tree_rate > chain_rate * (1.0 + min_gain) else k
+
+
+def tree_key(block_size: int) -> int:
+    """The tree's key in k-indexed tables (step costs, histograms, the trace): B, one past the longest chain."""
+    return block_size
+
+
 # ------------------------------------------------------------------------------------------------ the policy
 class WidthPolicy:
-    """Chooses k for each decode step; learns from the steps it is told about.
+    """Chooses the shape of each decode step (k drafts of the chain, or the draft tree); learns from the steps it is
+    told about.
 
     Probing: while the decision is below the largest width, every `interval` steps a step runs at the largest width
     (its rows refresh the acceptance of positions the policy stopped verifying, e.g. after a useless phase). The
@@ -305,20 +396,30 @@ class WidthPolicy:
     (without the cap it stays off for up to probe_max_every steps), large batches, where a probe is expensive, probe
     rarely. The budget was 1% until the adaptive floor (issue #34: >= 0.97x plain decoding with a useless drafter)
     showed every percent spent on probes; at batch 1 on an 8B target 74 steps are still half a second.
+
+    Trees (tree=True, SGLANG_DFLASH_TREE; issue #38 item 4): the draft tree is one more shape, key B (`tree_key`),
+    chosen by `best_shape` where the caller says the batch may take one (`choose(bs, tree_ok=True)`). Its
+    expected commit is learned from tree steps alone (`TreeStats`, prior: the chain's E[commit | B-1]); its rows
+    never enter the chain's per-position statistics. While the decision is not the tree, a tree probe runs by the
+    same interval rule (own doubling state, the cost cap), as long as some evidence says a tree could commit more
+    than one token per step. Probes that involve the tree are priced by the rate they lose: a probe's time less
+    the time its expected tokens take at the decision's rate (a tree probe runs longer but commits more).
     """
 
     def __init__(self, block_size: int, widths: Sequence[int], costs: StepCostTable,
                  stats: AcceptanceStats | None = None, pinned: int | None = None, adaptive: bool = True,
-                 probe_every: int = 16, probe_max_every: int = 1024, probe_budget: float = 0.005):
+                 probe_every: int = 16, probe_max_every: int = 1024, probe_budget: float = 0.005,
+                 tree: bool = False, tree_stats: TreeStats | None = None):
         widths = [int(k) for k in widths]
         if not widths or widths != sorted(set(widths)) or widths[0] < 0 or widths[-1] > block_size - 1:
             raise ValueError(f"widths={widths}: need strictly increasing draft counts in 0..{block_size - 1} "
                              f"(block size {block_size}); fix: e.g. parse_widths('0,3,7,{block_size - 1}', "
                              f"{block_size})")
-        missing = [k for k in widths if k not in costs.widths]
+        self.tree = tree_key(block_size) if tree else None
+        missing = [k for k in widths + ([self.tree] if tree else []) if k not in costs.widths]
         if missing:
             raise ValueError(f"widths {missing} have no entry in the step-cost table (it covers {costs.widths}); "
-                             "fix: build StepCostTable with the same widths")
+                             "fix: build StepCostTable with the same widths (and tree_key(B) for the tree)")
         if pinned is not None and pinned not in widths:
             raise ValueError(f"pinned k={pinned} is not one of the widths {widths} that have a verify graph; "
                              f"fix: pin one of {widths} or add {pinned} to the widths")
@@ -330,6 +431,7 @@ class WidthPolicy:
             raise ValueError(f"probe_every={probe_every}, probe_max_every={probe_max_every}: need "
                              "1 <= probe_every <= probe_max_every")
         self.block_size, self.widths, self.costs, self.stats = block_size, widths, costs, stats
+        self.tree_stats = (tree_stats or TreeStats()) if tree else None
         self.pinned, self.adaptive = pinned, adaptive
         if not 0 < probe_budget < 1:
             raise ValueError(f"probe_budget={probe_budget}: the fraction of step time probes may add must lie "
@@ -343,81 +445,149 @@ class WidthPolicy:
         # decisions the in-flight probes are judged against, oldest first (feedback may lag; bounded in case a
         # probe's feedback never arrives)
         self._pending: deque[int] = deque(maxlen=4)
-        self._hist = {k: 0 for k in widths}
-        self._commit_sum = {k: 0 for k in widths}
-        self._commit_rows = {k: 0 for k in widths}
+        # the tree probes' own state, same rules
+        self.tree_probe_interval = self._tree_interval_now = probe_every
+        self.tree_probes = 0
+        self._since_tree_probe = 0
+        self._tree_pending: deque[int] = deque(maxlen=4)
+        self._tree_ok = False  # whether the latest batch could take a tree (a probe's feedback is judged with it)
+        keys = widths + ([self.tree] if tree else [])
+        self._hist = {k: 0 for k in keys}
+        self._commit_sum = {k: 0 for k in keys}
+        self._commit_rows = {k: 0 for k in keys}
+
+    def name(self, k: int) -> str:
+        """How logs and traces show a shape: the tree as "tree", a chain width as its k."""
+        return "tree" if k == self.tree else str(k)
 
     def timed(self) -> list[int]:
-        """The widths with a step time (at some batch size): the ones a decision compares."""
+        """The chain widths with a step time (at some batch size): the ones a decision compares."""
         return [k for k in self.widths if self.costs.has(k)]
 
-    def decision(self, bs: int) -> int:
-        """The throughput-optimal k for batch size bs under the current statistics (no probing, no controls), among
-        the widths that have a step time. A width may have none for good: the controller does not time a width the
-        acceptance already rules out (and times it once the acceptance says it could pay)."""
-        return best_width(self.stats.expected_commit(),
-                          {k: self.costs.cost(bs, k) for k in self.timed()})
+    def tree_expected(self) -> float:
+        """E[commit | tree step], smoothed; an unobserved tree is priced like the full chain."""
+        return self.tree_stats.expected_commit(float(self.stats.expected_commit()[self.top]))
 
-    def choose(self, bs: int) -> int:
-        """The k for the next step."""
+    def tree_could_pay(self) -> bool:
+        """Some evidence says a tree commits more than one token per step: its own rows, or the chain's full
+        width (a drafter that got better shows in the chain's probes first; a tree then gets probed again)."""
+        chain = float(self.stats.evidence_commit()[self.top])
+        return max(self.tree_stats.evidence_commit(chain), chain) > 1.0 + USELESS_GAIN
+
+    def expected(self, k: int) -> float:
+        """E[commit | shape k] (the tree's or a chain width's)."""
+        return self.tree_expected() if k == self.tree else float(self.stats.expected_commit()[k])
+
+    def decision(self, bs: int, tree_ok: bool = False) -> int:
+        """The throughput-optimal shape for batch size bs under the current statistics (no probing, no controls),
+        among the widths that have a step time, and the tree where tree_ok and it has one. A width may have none
+        for good: the controller does not time a width the acceptance already rules out (and times it once the
+        acceptance says it could pay)."""
+        costs = {k: self.costs.cost(bs, k) for k in self.timed()}
+        if tree_ok and self.tree is not None and self.costs.has(self.tree):
+            costs[self.tree] = self.costs.cost(bs, self.tree)
+            return best_shape(self.stats.expected_commit(), costs, self.tree_expected())
+        return best_width(self.stats.expected_commit(), costs)
+
+    def choose(self, bs: int, tree_ok: bool = False) -> int:
+        """The shape of the next step: k drafts of the chain, or `self.tree`. tree_ok: the batch may take a tree
+        step (ignored without tree=True)."""
+        tree_ok = self._tree_ok = tree_ok and self.tree is not None
         if self.pinned is not None:
-            k = self.pinned
-        elif not self.adaptive or not self.timed():
+            # a pinned drafted width takes the tree where the batch qualifies: SGLANG_DFLASH_TREE's meaning
+            # before the policy priced trees, kept for pinned and fixed modes
+            k = self.tree if tree_ok and self.pinned > 0 else self.pinned
+        elif not self.adaptive:
+            k = self.tree if tree_ok else self.top  # always the tree where it applies (benchmarks' ours-tree<N>)
+        elif not self.timed():
             k = self.top  # nothing timed yet: the full block, as without the policy
         else:
-            k = self.decision(bs)
-            if k == self.top:  # verifying everything already: nothing to probe; a later drop starts afresh
+            k = d = self.decision(bs, tree_ok)
+            if d == self.top:  # verifying everything already: nothing to probe; a later drop starts afresh
                 self._since_probe = 0
                 self.probe_interval = self._interval_now = self.probe_every
             else:
                 self._since_probe += 1
-                self._interval_now = min(self.probe_interval, self._affordable_interval(bs, k))
+                self._interval_now = min(self.probe_interval, self._affordable_interval(bs, d, self.top))
                 if self._since_probe >= self._interval_now:
                     self._since_probe = 0
-                    self._pending.append(k)
+                    self._pending.append(d)
                     self.probes += 1
                     k = self.top
-        self._hist[k] += 1
+            if (tree_ok and k == d != self.tree and self.costs.has(self.tree) and self.tree_could_pay()):
+                self._since_tree_probe += 1
+                self._tree_interval_now = min(self.tree_probe_interval, self._affordable_interval(bs, d, self.tree))
+                if self._since_tree_probe >= self._tree_interval_now:
+                    self._since_tree_probe = 0
+                    self._tree_pending.append(d)
+                    self.tree_probes += 1
+                    k = self.tree
+        self.count(k)
         return k
 
-    def _affordable_interval(self, bs: int, k: int) -> int:
-        """The shortest probe interval whose probes add at most probe_budget to the step time of a k-step run."""
-        if not self.costs.has(self.top):
-            return self.probe_interval  # a probe's cost is unknown (probes are not timed: they follow another width)
-        base = self.costs.cost(bs, k)
-        return max(self.probe_every, math.ceil((self.costs.cost(bs, self.top) - base) / (self.probe_budget * base)))
+    def count(self, k: int) -> None:
+        """A step of shape k was chosen: the histogram (the controller counts its exploration steps here too)."""
+        self._hist[k] += 1
+
+    def _affordable_interval(self, bs: int, k: int, probe: int) -> int:
+        """The shortest probe interval whose probes add at most probe_budget to the step time of a run of shape k.
+        A chain probe amid chain steps is priced by its extra time (the tokens it commits are not counted: the rule
+        from before trees); a probe that involves the tree by its time less the time its expected tokens take at
+        k's rate (a tree commits more per step; a chain-top probe amid tree steps commits less)."""
+        if not self.costs.has(probe):  # a probe's cost is unknown (probes are not timed: they follow another width)
+            return self.tree_probe_interval if probe == self.tree else self.probe_interval
+        base, cost = self.costs.cost(bs, k), self.costs.cost(bs, probe)
+        if self.tree in (k, probe):
+            extra = cost - self.expected(probe) * base / self.expected(k)
+        else:
+            extra = cost - base
+        return max(self.probe_every, math.ceil(extra / (self.probe_budget * base)))
 
     def record(self, bs: int, k: int, commit_lens, seconds: float | None) -> None:
-        """Feed back a finished step: its batch size, its k, the rows' commit lengths, its wall time (None if not
-        timed). May lag the step by a step or two."""
+        """Feed back a finished step: its batch size, its shape k (a width or the tree), the rows' commit lengths,
+        its wall time (None if not timed). May lag the step by a step or two."""
         if k not in self._hist:
-            raise ValueError(f"record(k={k}): not one of the widths {self.widths} this policy chooses from; "
+            raise ValueError(f"record(k={k}): not one of the shapes {list(self._hist)} this policy chooses from; "
                              "fix: record the k that choose() returned for the step")
         c = np.asarray(commit_lens, dtype=np.int64).reshape(-1)
-        self.stats.update(c, k)
+        if k == self.tree:
+            self.tree_stats.update(c)
+            self.stats.update(np.ones(c.size, dtype=np.int64), 0)  # no chain position observed: they age
+        else:
+            self.stats.update(c, k)
+            if self.tree_stats is not None:
+                self.tree_stats.skip()
         if seconds is not None:
             self.costs.observe(bs, k, seconds)
         self._commit_sum[k] += int(c.sum())
         self._commit_rows[k] += int(c.size)
         if k == self.top and self._pending:  # a probe's feedback (or a full step's, when the decision rose meanwhile)
             before = self._pending.popleft()
-            if not self.timed() or self.decision(bs) > before:
+            if not self.timed() or self.decision(bs, self._tree_ok) > before:
                 self.probe_interval = self.probe_every
             else:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max_every)
+        if k == self.tree and self._tree_pending:  # a tree probe's feedback: did it make the tree the decision?
+            self._tree_pending.popleft()
+            if self.decision(bs, True) == self.tree:
+                self.tree_probe_interval = self.probe_every
+            else:
+                self.tree_probe_interval = min(2 * self.tree_probe_interval, self.probe_max_every)
 
     def histogram(self) -> dict[int, int]:
-        """Chosen-k counts since start (probes included)."""
+        """Chosen-shape counts since start (probes included; the tree under key `self.tree`)."""
         return dict(self._hist)
 
     def summary(self) -> str:
-        """One log line: k histogram, mean commit per k, a_1..a_4, probe interval."""
-        hist = " ".join(f"{k}:{n}" for k, n in self._hist.items())
-        commit = " ".join(f"{k}:{self._commit_sum[k] / self._commit_rows[k]:.2f}"
-                          for k in self.widths if self._commit_rows[k])
+        """One log line: shape histogram (the tree as "tree"), mean commit per shape, a_1..a_4, probe intervals."""
+        hist = " ".join(f"{self.name(k)}:{n}" for k, n in self._hist.items())
+        commit = " ".join(f"{self.name(k)}:{self._commit_sum[k] / self._commit_rows[k]:.2f}"
+                          for k in self._hist if self._commit_rows[k])
         a = " ".join(f"{x:.2f}" for x in self.stats.acceptance()[:4])
         mode = (f"pinned k={self.pinned}" if self.pinned is not None else "adaptive" if self.adaptive
                 else "adaptive off")
+        tree = (f" | tree: E[commit] {self.tree_expected():.2f}, probes {self.tree_probes}, interval "
+                f"{self._tree_interval_now} steps" if self.tree is not None else "")
         return (f"dflash width ({mode}): k histogram {{{hist}}} | mean commit per k {{{commit or '-'}}} | "
-                f"a_1..a_4 {a} | probes {self.probes}, interval {self._interval_now} steps | "
+                f"a_1..a_4 {a} | probes {self.probes}, interval {self._interval_now} steps{tree} | "
                 f"rows seen {self.stats.rows_seen}")

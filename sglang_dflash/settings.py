@@ -183,9 +183,11 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(CACHE, "cache", _directory(Path.home() / ".cache" / "sglang_dflash"), "~/.cache/sglang_dflash",
            "directory", "where converted targets (SmolLM2, Gemma-3), their GGUF parts and the stub libcuda are kept"),
     Switch(TREE, "tree", _tree_size, "0", "0, or N with 2 <= N <= B",
-           "tree verify (issue #38, serving/tree_step.py): N > 0 verifies a best-first draft tree of N nodes from the "
-           "same drafter pass instead of the chain, in drafted steps of all-greedy batches without penalties, "
-           "grammar, logit_bias or logprobs (others keep the chain); DFlash drafters, --tp-size 1, --page-size 1, no "
+           "tree verify (issue #38, serving/tree_step.py): N > 0 lets a step verify a best-first draft tree of N "
+           "nodes from the same drafter pass instead of the chain, in all-greedy batches without penalties, "
+           "grammar, logit_bias or logprobs (others keep the chain); the adaptive policy chooses the tree where its "
+           "measured tokens per second beat the chain's (docs/CONTROLS.md), adaptivity off or a pinned k > 0 "
+           "takes it at every drafted step; DFlash drafters, --tp-size 1, --page-size 1, no "
            "hybrid targets, GPU: --attention-backend triton; under CUDA graphs the tree is built in the draft graph and "
            "verified by tree verify graphs of width N (serving/tree_graphs.py; eager past the captured sizes)"),
 )

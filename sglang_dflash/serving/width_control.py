@@ -23,6 +23,14 @@ running per-position acceptance and a step-time table). This module feeds it wit
   explored at a new bucket (`_worth_timing`): with a useless drafter, timing k = 15 at batch 128 costs ~5 plain
   steps per try, which a short run never earns back.
 
+Trees (SGLANG_DFLASH_TREE=N, issue #38 item 4): the draft tree is one more shape (key B, "tree" in the log, the
+trace and the metric) for batches that qualify (``choose(bs, tree_ok)``, the worker asks ``tree_step.applies``).
+It is explored, timed, clipped and refreshed exactly like a width, per bucket, but only at steps whose batch could
+take it; its commit is learned from tree steps alone (adaptive.TreeStats); it is not timed where the evidence says
+no drafted shape can pay (``_could_pay``). With a fixed table the first EXPLORE_STEPS qualifying steps run the
+tree, since only tree steps tell its commit. Fixed modes (k pinned > 0, adaptivity off, the k schedule) run the tree
+on every drafted step of a qualifying batch, as before the tree was priced.
+
 Tensor parallelism: every rank runs this controller on the same steps, batch sizes and acceptance (the scheduler
 feeds each rank the same results), but on its own clock, and ranks that chose different widths would run different
 collectives and hang. So the decision reads only values every rank holds identically: the acceptance, the step
@@ -39,9 +47,10 @@ Operator controls (environment, read once at startup):
                               0, 3, 7 and B-1, those below B-1 only if they fit)
   SGLANG_DFLASH_K_SCHEDULE=15,0,3  tests: cycle through these k values step after step (forces switches)
   SGLANG_DFLASH_LOG_EVERY_S=30  period of the policy's summary line in the server log
-  SGLANG_DFLASH_STEP_TRACE=FILE  diagnostics: one JSON line per decode step (k, batch size, its cycle, the time
-                              it was charged, the worker's own host time, its commit lengths), for
-                              benchmarks/step_trace.py; "{pid}" in FILE becomes the scheduler's process id
+  SGLANG_DFLASH_TREE=N        the draft tree as one more shape (above); SGLANG_DFLASH_STEP_COSTS' "tree" entry
+  SGLANG_DFLASH_STEP_TRACE=FILE  diagnostics: one JSON line per decode step (k, "tree" for a tree step, batch size,
+                              its cycle, the time it was charged, the worker's own host time, its commit lengths),
+                              for benchmarks/step_trace.py; "{pid}" in FILE becomes the scheduler's process id
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import settings
-from ..adaptive import AcceptanceStats, StepCostTable, WidthPolicy, parse_widths
+from ..adaptive import USELESS_GAIN, AcceptanceStats, StepCostTable, WidthPolicy, parse_widths, tree_key
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -78,7 +87,6 @@ REFRESH_FIRST, REFRESH_STEPS = 256, 2048
 # the batch (the verify turns compute-bound), so the estimate from smaller buckets is optimistic for k > 0 and a
 # 10% margin covers timing noise.
 EXPLORE_MARGIN = 0.9
-USELESS_GAIN = 0.02  # E[commit | k] <= 1 + this: no width can pay (none costs less than a plain step), skip timing
 OUTLIER = 4.0  # a cycle longer than this times the table's value is clipped to it (GC pause, a stall)
 # Tensor parallelism: the decision table is rank 0's table, shared at these step counts (a share every 16 steps while
 # exploration fills the table, every 128 after): a gloo broadcast of a few hundred bytes, ~0.1 ms, i.e. well under
@@ -103,6 +111,7 @@ class WidthControls:
     log_every_s: float
     trace_path: str | None = None
     step_costs: dict[int, dict[int, float]] | None = None  # a fixed table (benchmarks): no exploration, no timing
+    tree: int = 0  # SGLANG_DFLASH_TREE: nodes of the draft tree, one more shape (key tree_key(B)); 0 = chains only
 
     @classmethod
     def from_env(cls, block: int, env=None) -> "WidthControls":
@@ -118,30 +127,48 @@ class WidthControls:
             ks = sorted({pinned, block - 1})  # only the widths that run get graphs (B-1: SGLang's own)
         elif not adaptive:
             ks = [block - 1]
-        costs = load_step_costs(s.step_costs, ks) if s.step_costs and adaptive else None
+        tree = settings.tree_size(block, env)
+        costs = load_step_costs(s.step_costs, ks, tree_key(block) if tree else None) if s.step_costs and adaptive \
+            else None
         return cls(ks=ks, pinned=pinned, adaptive=adaptive, schedule=schedule,
-                   log_every_s=s.log_every_s, trace_path=s.step_trace, step_costs=costs)
+                   log_every_s=s.log_every_s, trace_path=s.step_trace, step_costs=costs, tree=tree)
+
+    def shapes(self, block: int) -> list[int]:
+        """The keys the step-cost table and the histograms hold: the chain widths, and the tree's (B) if on."""
+        return self.ks + ([tree_key(block)] if self.tree else [])
 
     def describe(self) -> str:
+        tree = f", a tree of {self.tree} nodes for k > 0 where the batch qualifies" if self.tree else ""
         if self.schedule:
-            return f"k schedule {self.schedule} (test hook)"
+            return f"k schedule {self.schedule} (test hook{tree})"
         if self.pinned is not None:
-            return f"k pinned to {self.pinned}"
+            return f"k pinned to {self.pinned}" + tree
         if not self.adaptive:
-            return f"fixed k = {max(self.ks)}"
-        return f"adaptive over k in {self.ks}" + (" (fixed step-time table)" if self.step_costs else "")
+            return f"fixed k = {max(self.ks)}" + tree
+        return (f"adaptive over k in {self.ks}" + (f" and a tree of {self.tree} nodes" if self.tree else "")
+                + (" (fixed step-time table)" if self.step_costs else ""))
 
 
-def load_step_costs(path: str, ks: list[int]) -> dict[int, dict[int, float]]:
+def load_step_costs(path: str, ks: list[int], tree: int | None = None) -> dict[int, dict[int, float]]:
     """A fixed step-time table from JSON {k: {batch size: seconds}} (keys may be strings), covering every width in
     ks: with it the policy explores nothing and times nothing, so the same acceptance gives the same choices run
-    after run (and on every tensor-parallel rank). Write one from a measured run's trace (benchmarks/step_trace.py)."""
+    after run (and on every tensor-parallel rank). Write one from a measured run's trace (benchmarks/step_trace.py).
+    tree: the tree's key (tree_key(B)) when trees are on: the entry "tree" is the tree step's time; without one the
+    tree is never chosen (it is not timed either: the table is fixed)."""
     import json
 
     name = settings.STEP_COSTS
+
+    def key(k) -> int:
+        if k == "tree":
+            if tree is None:
+                raise ValueError("a 'tree' entry without SGLANG_DFLASH_TREE: set it, or drop the entry")
+            return tree
+        return int(k)
+
     try:
         raw = json.loads(open(path).read())
-        table = {int(k): {int(bs): float(t) for bs, t in per_bs.items()} for k, per_bs in raw.items()}
+        table = {key(k): {int(bs): float(t) for bs, t in per_bs.items()} for k, per_bs in raw.items()}
     except (OSError, ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"{name}={path!r}: not a readable JSON table {{k: {{batch size: seconds}}}} ({e}). "
                          "Fix: write one as benchmarks/README.md shows, or unset the variable") from None
@@ -186,20 +213,23 @@ class WidthController:
     def __init__(self, controls: WidthControls, block: int, enable_metrics: bool = False,
                  share: "TableShare | None" = None):
         self.controls, self.block = controls, block
-        self.policy = WidthPolicy(block, controls.ks, StepCostTable(controls.ks), AcceptanceStats(block),
-                                  pinned=controls.pinned, adaptive=controls.adaptive)
+        self.shapes = controls.shapes(block)  # the chain widths, then the tree's key if trees are on
+        self.tree = tree_key(block) if controls.tree else None
+        self.policy = WidthPolicy(block, controls.ks, StepCostTable(self.shapes), AcceptanceStats(block),
+                                  pinned=controls.pinned, adaptive=controls.adaptive, tree=bool(controls.tree))
         # this rank's measurements; the decisions read self.policy.costs, which is this same table on one GPU and
         # the table shared from rank 0 under tensor parallelism (module docstring)
-        self.local_costs = self.policy.costs if share is None else StepCostTable(controls.ks)
+        self.local_costs = self.policy.costs if share is None else StepCostTable(self.shapes)
         self._share = share
         self._frozen = controls.step_costs is not None  # a fixed table: no exploration, no timing, no share
         if self._frozen:
             for k, per_bs in controls.step_costs.items():
-                if k in controls.ks:
+                if k in self.shapes:
                     for bs, seconds in per_bs.items():
                         self.policy.costs.set(bs, k, seconds)
             self._share = None
         self._explored: collections.Counter = collections.Counter()  # (bucket, k) -> timed steps
+        self._tree_tries = 0  # tree steps run to learn its commit under a fixed table
         self._samples: dict = collections.defaultdict(list)  # (bucket, k) -> exploration times (for the median)
         self._last_timed: dict = {}  # (bucket, k) -> step count when it was last timed
         self._refresh_after: dict = {}  # (bucket, k) -> steps without a timing before it is retimed
@@ -218,22 +248,35 @@ class WidthController:
             self._trace.write(json.dumps({"controls": controls.describe(), "block": block}) + "\n")
 
     # ---------------------------------------------------------------------------------------------- choose
-    def choose(self, bs: int) -> int:
+    def choose(self, bs: int, tree_ok: bool = False) -> int:
+        """The next step's shape: k drafts of the chain, or `self.tree` (only where tree_ok: trees are on and the
+        batch qualifies, tree_step.applies)."""
         c = self.controls
+        tree_ok = tree_ok and self.tree is not None
         if c.schedule:
-            return c.schedule[self._steps % len(c.schedule)]
-        if c.pinned is not None or not c.adaptive or len(c.ks) == 1:
-            return self.policy.choose(bs)
+            k = c.schedule[self._steps % len(c.schedule)]
+            return self.tree if tree_ok and k > 0 else k  # the test hook's drafted steps take the tree
+        if c.pinned is not None or not c.adaptive or len(self.shapes) == 1:
+            return self.policy.choose(bs, tree_ok)
         if self._frozen:
-            return self.policy.choose(bs)
+            if tree_ok and self._tree_tries < EXPLORE_STEPS and self.policy.costs.has(self.tree) \
+                    and self._could_pay(self.tree):
+                # a fixed table prices the tree, but only tree steps tell its commit (its prior is the chain's):
+                # a few tree steps first, as exploration gives them without a fixed table
+                self._tree_tries += 1
+                self.policy.count(self.tree)
+                return self.tree
+            return self.policy.choose(bs, tree_ok)
         if self._share is not None and _share_due(self._steps):
             self.policy.costs = self._share(self.local_costs)
         bucket = size_bucket(bs)
-        for k in c.ks:  # explore: time every width that could win at this batch size before trusting the table
+        shapes = self.shapes if tree_ok else c.ks  # a batch that cannot take a tree never times one
+        for k in shapes:  # explore: time every shape that could win at this batch size before trusting the table
             if self._explored[bucket, k] < EXPLORE_STEPS and ((bucket, k) in self._refreshing
                                                               or self._worth_timing(bs, k)):
+                self.policy.count(k)  # the summary's histogram counts every chosen step
                 return k
-        for k in c.ks:  # refresh: retime a width whose entry at this bucket is old (it may be what keeps it unchosen)
+        for k in shapes:  # refresh: retime a shape whose entry at this bucket is old (it may be what keeps it unchosen)
             last = self._last_timed.get((bucket, k))
             after = self._refresh_after.get((bucket, k), REFRESH_FIRST)
             stale = last is not None and self._steps - last > after
@@ -242,8 +285,9 @@ class WidthController:
                 self._explored[bucket, k] = 1  # a new median from the next tries (the warm-up is not repeated)
                 self._samples[bucket, k].clear()
                 self._refreshing.add((bucket, k))
+                self.policy.count(k)
                 return k
-        return self.policy.choose(bs)
+        return self.policy.choose(bs, tree_ok)
 
     def _worth_timing(self, bs: int, k: int) -> bool:
         """Whether exploring width k at this batch size could change a decision. k = 0 is always timed (the
@@ -254,15 +298,18 @@ class WidthController:
             return True
         if not self._could_pay(k):
             return False
-        expected, costs = self.policy.stats.expected_commit(), self.policy.costs
+        policy, costs = self.policy, self.policy.costs
         if costs.has(k) and costs.has(0):
-            return expected[k] / costs.cost(bs, k) >= EXPLORE_MARGIN * expected[0] / costs.cost(bs, 0)
+            return policy.expected(k) / costs.cost(bs, k) >= EXPLORE_MARGIN * policy.expected(0) / costs.cost(bs, 0)
         return True
 
     def _could_pay(self, k: int) -> bool:
         """k = 0 is the reference; a wider step never costs less than a plain one, so it can pay only if it commits
         more than one token per step on average, by the rows seen (AcceptanceStats.evidence_commit: the prior's
-        pseudo-row alone reads ~1.1 for a drafter that never had a draft accepted)."""
+        pseudo-row alone reads ~1.1 for a drafter that never had a draft accepted). The tree: WidthPolicy's
+        tree_could_pay (its own rows, or the chain's full width)."""
+        if k == self.tree:
+            return self.policy.tree_could_pay()
         return k == 0 or self.policy.stats.evidence_commit()[k] > 1.0 + USELESS_GAIN
 
     # ------------------------------------------------------------------------------------- step feedback
@@ -279,7 +326,7 @@ class WidthController:
         self._pending.append(self._open)
         self._steps += 1
         if self._metric is not None:
-            self._metric.labels(k=str(k)).inc()
+            self._metric.labels(k=self.policy.name(k)).inc()
 
     def step_end(self) -> None:
         """The worker has launched the open step's work (diagnostics only: the trace's host time)."""
@@ -371,15 +418,21 @@ class WidthController:
         ms = lambda x: None if x is None else round(x * 1e3, 4)  # noqa: E731
         costs = self.policy.costs
         self._trace.write(json.dumps({
-            "t": round(step.started, 6), "bs": step.bs, "k": step.k, "follows": step.follows, "cycle_ms": ms(step.cycle),
+            "t": round(step.started, 6), "bs": step.bs, "k": self._trace_k(step.k),
+            "follows": step.follows and [self._trace_k(step.follows[0]), step.follows[1]],
+            "cycle_ms": ms(step.cycle),
             "timed_ms": ms(step.seconds), "charged_ms": ms(charged), "host_ms": ms(step.host),
             "table_ms": ms(costs.cost(step.bs, step.k)) if costs.has(step.k) else None,
             "commit": sum(step.accepted) / len(step.accepted) + 1 if step.accepted else None}) + "\n")
 
+    def _trace_k(self, k: int):
+        return "tree" if k == self.tree else k
+
     def cost_summary(self, bs: int) -> str:
-        """The step-time table at one batch size, in ms per width (what the decision compares)."""
+        """The step-time table at one batch size, in ms per shape (what the decision compares)."""
         costs = self.policy.costs
-        known = " ".join(f"{k}:{costs.cost(bs, k) * 1e3:.2f}" for k in costs.widths if costs.has(k))
+        known = " ".join(f"{self.policy.name(k)}:{costs.cost(bs, k) * 1e3:.2f}" for k in costs.widths
+                         if costs.has(k))
         return f"step ms at bs={bs} {{{known or '-'}}}"
 
 

@@ -24,22 +24,24 @@ drafter's context K/V, so speculation can resume at any later step without re-pr
 and verifies its first k drafts (benchmarks/results/width-acceptance-smollm2-cpu compares this with drafting a
 shorter block).
 
-Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step with k > 0 whose batch is all-greedy without
-per-request controls verifies an N-node draft tree built from the same drafter pass instead of the chain, and
-commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``); every other step
-is the chain step above, unchanged. On the GPU the tree is built inside the draft CUDA graph (its capture tail, with
-the greedy head) and the verify replays tree verify graphs of width N whose attention reads the tree mask from
-static buffers (tree_graphs.py); without graphs, or past their batch sizes, either part runs eagerly.
+Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step whose batch is all-greedy without per-request
+controls (``tree_step.applies``) may verify an N-node draft tree built from the same drafter pass instead of the
+chain, and commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``). Which
+shape runs is the width policy's choice (width_control.py): the tree is one more shape next to k = 0 and every
+chain width, priced by its own step time and expected commit, so it runs where it pays (with adaptivity off, or a
+pinned k > 0: always, where the batch qualifies). Every other step is the chain step above, unchanged. On the GPU
+the tree is built inside the draft CUDA graph (its capture tail, with the greedy head) and the verify replays tree
+verify graphs of width N whose attention reads the tree mask from static buffers (tree_graphs.py); without graphs,
+or past their batch sizes, either part runs eagerly.
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
-the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host, and an eager tree build or
-verify allocates its few [bs, N] tensors per step; neither syncs.)
+the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host at every decode step, and an
+eager tree build or verify allocates its few [bs, N] tensors per step; neither syncs.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -132,12 +134,8 @@ class DFlashWorker(BaseSpecWorker):
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
-        if self._tree_size and controls.adaptive and controls.pinned is None and not controls.schedule:
-            # Tree on: a step with any k > 0 of a qualifying batch is a tree step, reported to the policy as k = B-1
-            # (_decode_step), so the policy's choice is plain (k = 0) or full (tree, or the full chain where a batch
-            # does not qualify). Shorter widths would be chosen, run as trees and never timed under their own k.
-            # Choosing between chain widths and trees is issue #38 item 4.
-            controls = dataclasses.replace(controls, ks=[k for k in controls.ks if k in (0, B - 1)])
+        # with SGLANG_DFLASH_TREE the policy prices the tree as one more shape next to every chain width (issue #38
+        # item 4: width_control.py); the tree's verify has its own graphs (tree_graphs.py), not a VerifyWidths width
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
         # under tensor parallelism every rank must choose the same width: the ranks share rank 0's step-time table
         self._control = WidthController(controls, B, share=TableShare.for_tp_group(),
@@ -183,9 +181,10 @@ class DFlashWorker(BaseSpecWorker):
                     self.cfg.mask_token_id, bundle.resolved_attention_backend,
                     not server_args.disable_overlap_schedule, controls.describe())
         if self._tree_size:
-            logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps with k > 0 of all-greedy batches "
-                        "without penalties, grammar, logit_bias or logprobs verify a draft tree of %d nodes (CUDA "
-                        "graphs or eager: the tree graph line at start-up says which); other steps verify the chain",
+            logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps of all-greedy batches without "
+                        "penalties, grammar, logit_bias or logprobs may verify a draft tree of %d nodes, where the "
+                        "width policy chooses it (CUDA graphs or eager: the tree graph line at start-up says which); "
+                        "other steps verify the chain",
                         self._tree_size, self._tree_size)
 
     # ------------------------------------------------------------------------------ scheduler plumbing
@@ -353,13 +352,13 @@ class DFlashWorker(BaseSpecWorker):
         if not isinstance(state, DFlashDraftInputV2):
             raise RuntimeError(f"DFLASH decode expected DFlashDraftInputV2 state, got {type(state).__name__}")
         prefix = batch.seq_lens  # committed lengths; the bonus token sits at position prefix
-        k = self._control.choose(bs)  # drafts to verify this step; W = k + 1 tokens per request
-        W = k + 1
-        if k > 0 and self._tree_size and tree_step.applies(batch):
-            # a tree step commits up to N <= B tokens whatever k was chosen: the policy sees it as the full width
-            # (its acceptance statistics take 1..k+1 tokens per row), B-1 being one of its widths in every mode
-            self._control.step_begin(bs, B - 1)
+        # the step's shape: k drafts of the chain (W = k + 1 tokens per request), or the draft tree where the batch
+        # qualifies and the policy prices it best (width_control.py; its own key, its own acceptance statistics)
+        k = self._control.choose(bs, tree_ok=bool(self._tree_size) and tree_step.applies(batch))
+        if k == self._control.tree:
+            self._control.step_begin(bs, k)
             return self._tree_decode_step(batch, state, prefix, bs, on_publish)
+        W = k + 1
         self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
         # 1) draft: one drafter pass over [bonus, MASK...], drafts for positions 1..k (none when k = 0): point

@@ -43,8 +43,8 @@ def tree_servers(dflash_pair, baseline):
     overlap[overlap.index("--max-total-tokens") + 1] = "400"  # a small pool: requests retract and come back
     spec = [*FLOAT32, *SPEC_ARGS, "--speculative-draft-model-path", str(draft)]
     servers = {
-        # k forced through a cycle (test hook): tree steps at every k > 0 (reported to the policy as the full width:
-        # a tree commits up to 8 tokens after a k = 1 choice), plain steps between them
+        # k forced through a cycle (test hook): tree steps at every k > 0 (the hook's drafted steps take the tree;
+        # the policy records them under the tree's own key), plain steps between them
         8: launch_server(target, port(PORTS[8]), root / "spec_tree8.log",
                          overlap + ["--chunked-prefill-size", "16", *spec], {**env, K_SCHEDULE: SCHEDULE, TREE: "8"}),
         16: launch_server(target, port(PORTS[16]), root / "spec_tree16.log", CPU_SERVER_ARGS + spec,

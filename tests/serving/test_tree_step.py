@@ -216,24 +216,30 @@ def test_tree_setups_accepted_at_startup(monkeypatch):
         check_tree(DFLASH, _args(device="cuda", attention_backend="triton"))
 
 
-def test_a_tree_step_is_reported_to_the_width_policy_as_the_full_width():
-    """A tree step commits up to N tokens whatever k the policy chose; the policy's acceptance statistics refuse
-    more than k + 1 per row (adaptive.AcceptanceStats.update raised in the scheduler), so the worker reports the
-    step as k = B-1. The chain keeps the chosen k."""
+def test_the_width_policy_chooses_the_tree_and_the_step_is_reported_under_its_key():
+    """The worker asks the width policy whether the batch may take a tree (tree_step.applies) and runs a tree step
+    when the policy chooses the tree's key, reporting it under that key (the tree's own statistics; before issue #38
+    item 4 it was reported as k = B-1, which fed tree rows into the chain's per-position statistics)."""
     pytest.importorskip("sglang")
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
     from sglang_dflash.serving.worker import DFlashWorker
 
-    begun = []
-    control = SimpleNamespace(choose=lambda bs: 3, step_begin=lambda bs, k: begun.append(k))
+    begun, asked = [], []
+
+    def choose(bs, tree_ok=False):
+        asked.append(tree_ok)
+        return 16 if tree_ok else 3
+
+    control = SimpleNamespace(choose=choose, tree=16, step_begin=lambda bs, k: begun.append(k))
     stub = SimpleNamespace(block=16, _control=control, _tree_size=8,
                            _tree_decode_step=lambda batch, state, prefix, bs, on_publish: "tree step")
     batch = _batch()
     batch.batch_size = lambda: 2
     batch.seq_lens = torch.tensor([5, 9])
     batch.spec_info = make_draft_input_v2(bonus_tokens=torch.tensor([1, 2]), new_seq_lens=batch.seq_lens)
-    assert DFlashWorker._decode_step(stub, batch, None) == "tree step" and begun == [15]
+    assert tree_step.applies(batch)
+    assert DFlashWorker._decode_step(stub, batch, None) == "tree step" and begun == [16] and asked == [True]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
