@@ -53,13 +53,13 @@ from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_a
 from ..sampling import SamplingTensors, processed_probs
 from ..tree_acceptance import verify_tree_greedy
 from . import compat, tree_step
-from .tree_graphs import TreeBuffers, TreeVerifyGraphs, capture_sizes
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .kernel_warmup import warm_kv_slot_kernels
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit
 from .startup import DFlashStartupError, load_draft_config
+from .tree_graphs import TreeBuffers, TreeVerifyGraphs, capture_sizes
 from .verify_widths import VerifyWidths
 from .width_control import TableShare, WidthControls, WidthController
 
@@ -177,8 +177,8 @@ class DFlashWorker(BaseSpecWorker):
             positions=torch.empty(0, dtype=torch.int64, device=dev), draft_token_num=B,
             capture_hidden_mode=CaptureHiddenMode.NULL)
         logger.info("sglang-dflash worker ready: block=%d, draft layers=%d, target_layer_ids=%s, mask_token_id=%d, "
-                    "draft attention=%s, overlap=%s, speculation: %s", B, self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
-                    self.cfg.mask_token_id, bundle.resolved_attention_backend,
+                    "draft attention=%s, overlap=%s, speculation: %s", B, self.cfg.num_hidden_layers,
+                    list(self.cfg.target_layer_ids), self.cfg.mask_token_id, bundle.resolved_attention_backend,
                     not server_args.disable_overlap_schedule, controls.describe())
         if self._tree_size:
             logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps of all-greedy batches without "
