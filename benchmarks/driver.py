@@ -17,6 +17,8 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   our worker), to measure each width the adaptive policy chooses from;
 - ``ours-tree<N>``: ours-fixed verifying a best-first draft tree of N nodes instead of the chain
   (``SGLANG_DFLASH_TREE=N``; issue #38);
+- ``ours-adaptive-tree<N>``: ours (adaptive) with the tree of N nodes as one more shape: the policy chooses per step
+  among k = 0, the chain widths and the tree (issue #38 item 4);
 - ``<method>-rerun``: the same server as ``<method>``, run again under its own name. ``--bracket`` appends the
   first method's rerun after all the others, so the report's ``<first>-rerun/<first>`` column is the run's own drift:
   on a host-bound target, plain decoding alone moved by up to 1.7x between runs in one loan, and the first server on
@@ -65,7 +67,8 @@ PLUGIN_CHECK = (
 
 def method_variant(method: str) -> tuple[str, dict]:
     """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls,
-    ``ours-tree<N>`` is ours-fixed verifying a draft tree of N nodes (``SGLANG_DFLASH_TREE``), ``<method>-rerun`` is
+    ``ours-tree<N>`` is ours-fixed verifying a draft tree of N nodes (``SGLANG_DFLASH_TREE``),
+    ``ours-adaptive-tree<N>`` the adaptive policy with that tree as one more shape, ``<method>-rerun`` is
     ``<method>`` again."""
     if method.endswith(RERUN):
         return method_variant(method[:-len(RERUN)])
@@ -77,10 +80,13 @@ def method_variant(method: str) -> tuple[str, dict]:
     m = re.fullmatch(r"ours-tree(\d+)", method)  # the full block drafted every step, a tree of N nodes verified
     if m:
         return "ours", {settings.ADAPTIVE: "0", settings.TREE: m.group(1)}
+    m = re.fullmatch(r"ours-adaptive-tree(\d+)", method)  # the policy prices the tree against k = 0 and the chains
+    if m:
+        return "ours", {settings.TREE: m.group(1)}
     if method in ("none", "builtin", "ours"):
         return method, {}
-    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed, ours-k<N> or ours-tree<N>, "
-                     f"optionally followed by {RERUN}")
+    raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed, ours-k<N>, ours-tree<N> or "
+                     f"ours-adaptive-tree<N>, optionally followed by {RERUN}")
 
 
 ROOT = Path(__file__).resolve().parents[1]

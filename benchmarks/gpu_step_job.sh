@@ -38,7 +38,8 @@
 #                                                                                                  -> /tmp/job/tree-smol
 #          then the Qwen3-8B shape's step cost, c = 1, 8, 32 (TREE_8B_METHODS)                      -> /tmp/job/tree-8b
 #          each with tree_graphs.txt: per tree server, its graphed / eager tree-step counts
-#          (benchmarks/tree_graph_check)
+#          (benchmarks/tree_graph_check); `treesmol` / `tree8b` run one half. The policy choosing trees (#38 item 4):
+#          methods ours-adaptive-tree<N> (driver.py)
 #   treeeq issue #38: greedy equality of graphed tree steps with plain decoding (gpu_e2e, its tie analysis; bf16 with
 #          an fp32 lm_head, as float32 has no sgl_kernel RMSNorm): the tiny pair and SmolLM2 + DRAFTER, methods
 #          TREE_EQ_METHODS (ours-fixed,ours-tree16,ours-tree8); exit 1 of a run = a failure or no graphed tree step
@@ -90,20 +91,26 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       OUT= RUN=$JOB/ttft SHAPE=qwen3-8b METHODS="${TTFT_METHODS:-none,builtin,ours,ours-fixed}" TEMPERATURES=0 ROUNDS=2 \
         DEADLINE_S=1800 COMMON_ARGS="$COMMON_8B --enable-metrics" DRIVER_ARGS="--bracket" BENCH_ARGS="--server-metrics" \
         bash benchmarks/gpu_cost_run.sh ;;
-    tree)
-      wait_smollm2
-      python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
-        --methods "${TREE_SMOL_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" --bracket --out $JOB/tree-smol \
-        --wait-s 200 --common-args "$COMMON_SMOL" --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100" \
-        -- --datasets gsm,humaneval --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 --min-convs 16 \
-        --warmup 2 --no-progress
-      python3 -m benchmarks.report $JOB/tree-smol --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100"
-      python3 -m benchmarks.tree_graph_check $JOB/tree-smol/*.server.log > $JOB/tree-smol/tree_graphs.txt 2>&1
-      OUT= RUN=$JOB/tree-8b SHAPE=qwen3-8b METHODS="${TREE_8B_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" \
-        TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_8B" \
-        bash benchmarks/gpu_cost_run.sh
-      python3 -m benchmarks.tree_graph_check $JOB/tree-8b/*.server.log > $JOB/tree-8b/tree_graphs.txt 2>&1
-      cat $JOB/tree-smol/tree_graphs.txt $JOB/tree-8b/tree_graphs.txt ;;
+    tree|treesmol|tree8b)
+      if [ "$phase" != tree8b ]; then
+        wait_smollm2
+        python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
+          --methods "${TREE_SMOL_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" --bracket --out $JOB/tree-smol \
+          --wait-s 200 --common-args "$COMMON_SMOL" \
+          --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100" \
+          -- --datasets gsm,humaneval --temperatures 0 --concurrency 1,8 --max-new-tokens 192 --rounds 1 \
+          --min-convs 16 --warmup 2 --no-progress
+        python3 -m benchmarks.report $JOB/tree-smol --title "SmolLM2-135M-Instruct + shipped drafter: chain vs tree, H100"
+        python3 -m benchmarks.tree_graph_check $JOB/tree-smol/*.server.log > $JOB/tree-smol/tree_graphs.txt 2>&1
+        cat $JOB/tree-smol/tree_graphs.txt
+      fi
+      if [ "$phase" != treesmol ]; then
+        OUT= RUN=$JOB/tree-8b SHAPE=qwen3-8b METHODS="${TREE_8B_METHODS:-none,ours-fixed,ours-tree16,ours-tree8}" \
+          TEMPERATURES=0 CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_8B" \
+          bash benchmarks/gpu_cost_run.sh
+        python3 -m benchmarks.tree_graph_check $JOB/tree-8b/*.server.log > $JOB/tree-8b/tree_graphs.txt 2>&1
+        cat $JOB/tree-8b/tree_graphs.txt
+      fi ;;
     treeeq)
       e2e_args="--attention-backend triton --mem-fraction-static 0.25 --cuda-graph-max-bs-decode 32
  --grammar-backend none --sampling-backend pytorch --dtype bfloat16 --enable-fp32-lm-head --disable-prefill-cuda-graph"

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench, client, prompts, report, stats  # noqa: E402
+from sglang_dflash import settings  # noqa: E402
 from sglang_dflash.testing import free_port  # noqa: E402
 
 
@@ -251,6 +252,8 @@ def test_driver_bracket_reruns_the_first_method(tmp_path):
     assert s["crosscheck"]["none-rerun"]["random"]["exact_frac"] == 1.0  # the fake server is deterministic
     assert "Drift of this run" in (out / "summary.md").read_text()
     assert driver.method_variant("ours-fixed" + report.RERUN) == driver.method_variant("ours-fixed")
+    assert driver.method_variant("ours-tree16") == ("ours", {settings.ADAPTIVE: "0", settings.TREE: "16"})
+    assert driver.method_variant("ours-adaptive-tree16") == ("ours", {settings.TREE: "16"})  # the policy decides
     with pytest.raises(SystemExit, match="unknown method"):  # before any server starts
         driver.main(["--target", "/x", "--methods", "none,nonsense", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad" / "none.json").exists()
