@@ -36,6 +36,7 @@ _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.f
 _TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers"
 _PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 _FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
+_SCHEDULER_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_model_worker"
 
 
 def selected_worker() -> str:
@@ -77,6 +78,8 @@ def register() -> None:
     # a multi-token commit finishes where plain decoding would: stop strings / tokens before the length limit, in
     # token order (finish_order.py)
     HookRegistry.register(_FINISH_STATE, update_finish_state_in_token_order, around)
+    # new requests are admitted as in plain decoding: no DFLASH min-free-slots prefill delay (admission.py)
+    HookRegistry.register(_SCHEDULER_WORKER, _scheduler_init_model_worker, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
     # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
     # a stream-free FutureMap read under overlap scheduling.
@@ -121,6 +124,14 @@ def _create_worker(original, self, server_args):
     logger.info("sglang-dflash: DFLASH runs sglang_dflash.serving.worker.DFlashWorker (set %s=builtin for "
                 "SGLang's builtin worker)", WORKER_ENV)
     return DFlashWorker
+
+
+def _scheduler_init_model_worker(original, self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    from .admission import admit_as_plain_decoding
+
+    admit_as_plain_decoding(self)
+    return out
 
 
 def _triton_verify_buffers(original, self, *args, **kwargs):

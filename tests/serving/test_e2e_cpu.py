@@ -29,7 +29,7 @@ from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server
 from .compare import FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, assert_radix_hit  # noqa: E402
 from .compare import assert_valid_sample  # noqa: E402
 from .compare import ALPHA, Histogram, check_all, check_greedy, complete, generate, greedy, next_logprobs  # noqa: E402
-from .compare import wait_all_healthy  # noqa: E402
+from .compare import log_count, wait_all_healthy  # noqa: E402
 from .compare import client as _client  # noqa: E402
 from .compare import port  # noqa: E402
 from .models import TRAIN_PROMPT_SEED, random_prompts  # noqa: E402
@@ -165,6 +165,35 @@ def test_acceptance_above_one(servers):
     # layer's norm, RoPE or projection) still accepts some drafts, so hold the server close to the oracle.
     assert accept >= 10.0, f"accept length {accept}: the reference engine gets 13.2 on this prompt with this pair"
     assert spec.alive()
+
+
+def test_new_request_admitted_beside_a_full_batch(servers):
+    """22 long requests fill 22 of the server's 24 request slots; a short one sent then must be admitted at once
+    (serving/admission.py), as plain decoding would: SGLang's DFLASH default would hold it until 4 slots are free,
+    i.e. until long requests finish. It must finish before any long one."""
+    spec, vocab = servers["spec"], servers["vocab"]
+    prompts = random_prompts(23, vocab, seed=29, lo=8, hi=16)
+    # sampled at T = 1: few drafts accepted, so the long requests take many steps (greedy, the trained drafter
+    # commits ~13 tokens per step on this pair and they would be over before the short one arrives)
+    long_body = {"sampling_params": {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}}
+    t0 = time.monotonic()
+
+    def timed(prompt, body):
+        out = generate(spec, {**body, "input_ids": list(prompt)})
+        assert "output_ids" in out, out
+        return time.monotonic() - t0
+
+    with cf.ThreadPoolExecutor(23) as pool:
+        longs = [pool.submit(timed, p, long_body) for p in prompts[:22]]
+        time.sleep(1.5)  # the 22 are prefilled and decoding (a few hundred ms on CPU)
+        assert not any(f.done() for f in longs), "the long requests ended too early to fill the batch"
+        short = pool.submit(timed, prompts[22], {"sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        finished_short = short.result(timeout=300)
+        first_long = min(f.result(timeout=300) for f in longs)
+    assert finished_short < first_long, (
+        f"the short request finished at {finished_short:.1f} s, after the first long one ({first_long:.1f} s): "
+        "its admission waited for free slots")
+    assert log_count(spec, "admitted as in plain decoding") >= 1
 
 
 # Penalties, min_tokens, grammars and logprobs are applied per block position and compared with plain decoding in
