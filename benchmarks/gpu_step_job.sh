@@ -18,9 +18,9 @@
 #          c = 1, 8, 32                                                                             -> /tmp/job/gemma
 #   kbench the verify kernel's default configuration against SGLang's kernels, widths 16 and 1
 #          (kernel_bench --sweep --defaults)                                                        -> /tmp/job/kbench
-#   kerneltests  the GPU cases of tests/test_step_kernels.py and tests/test_kernels.py (pytest from the wheels in
-#          $WHEELS (/tmp/wheels; the starting call copies .carry/wheels there: the device stack has no pytest)
-#                                                                                          -> /tmp/job/kerneltests
+#   kerneltests  the GPU cases of tests/test_step_kernels.py, test_tree_accept.py and test_kernels.py (pytest from
+#          the wheels in $WHEELS (/tmp/wheels; the starting call copies .carry/wheels there: the device stack has no
+#          pytest)                                                                         -> /tmp/job/kerneltests
 #   host   host_profile (py-spy from $WHEELS), SmolLM2 + DRAFTER: HOST_METHODS (none,builtin,ours-fixed), once
 #          per concurrency in HOST_CONC ("1") and --max-running-requests in HOST_MAXRUN ("128"; the decode graphs
 #          follow it), memory fraction HOST_MEM (0.5; lower it to share the GPU with another job)
@@ -84,7 +84,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -c "import pytest" 2>/dev/null ||
         python3 -m pip install -q --no-index --no-deps --target /tmp/pytest_site "${WHEELS:-/tmp/wheels}"/*.whl
       PYTHONPATH=/tmp/pytest_site:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_step_kernels.py tests/test_kernel_warmup.py \
-        tests/test_kernels.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
+        tests/test_tree_accept.py tests/test_kernels.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
       echo "kernel tests exit $?" >> $JOB/kerneltests/pytest.log ;;
     cost) run_8b "${COST_METHODS:-none,ours,builtin}" 0 ;;
     ttft)

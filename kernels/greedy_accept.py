@@ -57,17 +57,21 @@ def greedy_accept(target_ids: torch.Tensor, drafts: torch.Tensor, prefix: torch.
     if drafts.shape != (bs, w - 1) or (w > 1 and drafts.stride(1) != 1) or not target_ids.is_contiguous():
         raise ValueError(f"greedy_accept: target_ids {tuple(target_ids.shape)} (contiguous), drafts "
                          f"{tuple(drafts.shape)} with unit column stride expected")
-    dev = target_ids.device
-    tokens = torch.empty((bs, w), dtype=torch.int64, device=dev)
-    next_ids = torch.empty((bs * w,), dtype=torch.int64, device=dev)
-    bonus = torch.empty((bs,), dtype=torch.int64, device=dev)
-    commit = torch.empty((bs,), dtype=torch.int64, device=dev)
-    accept32 = torch.empty((bs,), dtype=torch.int32, device=dev)
-    new_lens = torch.empty_like(prefix)
+    commit, tokens, next_ids, bonus, accept32, new_lens = accept_outputs(bs, w, prefix)
     if bs:
         _greedy_accept_kernel[(bs,)](target_ids, drafts, drafts.stride(0) if w > 1 else 0, prefix, tokens, next_ids,
                                      bonus, commit, accept32, new_lens, w, BLOCK=max(triton.next_power_of_2(w), 16))
     return commit, tokens, next_ids, bonus, accept32, new_lens
+
+
+def accept_outputs(bs: int, width: int, prefix: torch.Tensor):
+    """Uninitialised (commit_lens, tokens, next_ids, bonus, accept_lens, new_lens) of ``bs`` requests, ``width``
+    verified rows each, for a fused accept to fill: the dtypes and layouts ``commit_outputs`` returns."""
+    def longs(*shape):
+        return torch.empty(shape, dtype=torch.int64, device=prefix.device)
+
+    return (longs(bs), longs(bs, width), longs(bs * width), longs(bs),
+            torch.empty((bs,), dtype=torch.int32, device=prefix.device), torch.empty_like(prefix))
 
 
 def commit_outputs(commit_lens: torch.Tensor, tokens: torch.Tensor, prefix: torch.Tensor):

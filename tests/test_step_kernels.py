@@ -9,13 +9,11 @@ in a permuted order, int32 / int64 lengths, block sizes 1..16 (1: the k = 0 step
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import pytest
 import torch
-from _interpreter import run_interpreted
+from _interpreter import assert_all_equal, needs_gpu, print_interpreted, run_interpreted
 
 from sglang_dflash.acceptance import verify_greedy
 from sglang_dflash.kernels.greedy_accept import greedy_accept_torch
@@ -235,17 +233,13 @@ def interpreted():
 
 def test_interpreted_kernels_equal_torch_twins(interpreted):
     assert len(interpreted) == len(CASES) + len(BLOCK_CASES) + len(META_CASES) + 3
-    assert all(interpreted.values()), f"cases that differ: {[k for k, ok in interpreted.items() if not ok]}"
+    assert_all_equal(interpreted)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs a CUDA GPU")
+@needs_gpu
 def test_gpu_kernels_equal_torch_twins():
-    got = _kernel_vs_twin("cuda")
-    assert all(got.values()), f"cases that differ: {[k for k, ok in got.items() if not ok]}"
+    assert_all_equal(_kernel_vs_twin("cuda"))
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
-    torch.set_num_threads(1)
-    print(json.dumps(_kernel_vs_twin("cpu")))
+    print_interpreted(_kernel_vs_twin)

@@ -15,6 +15,8 @@ steps on plain torch, ``reference/engine.py: ReferenceEngine._tree_step``). One 
             tree verify CUDA graphs (tree_graphs.py), eager (``eager``) without them or past their batch sizes
     accept  tree_acceptance.verify_tree_greedy -> commit_lens, tokens, path (the tree rows to keep)
     commit  ``commit_path``: permute req_to_token[req, prefix : prefix + N] so the path's slots come first
+            (on the GPU accept, commit and the step's outputs are one launch, kernels/tree_accept.py, whose torch
+            twin, the CPU path, is these two functions and greedy_accept.commit_outputs)
 
 Why the commit is a permutation and not a KV copy: the verify forward already wrote, at every node's slot, the
 target's K/V and (context_commit.py, inside the same forward) the drafter's context K/V, both computed at the

@@ -32,7 +32,8 @@ chain width, priced by its own step time and expected commit, so it runs where i
 pinned k > 0: always, where the batch qualifies). Every other step is the chain step above, unchanged. On the GPU
 the tree is built inside the draft CUDA graph (its capture tail, with the greedy head) and the verify replays tree
 verify graphs of width N whose attention reads the tree mask from static buffers (tree_graphs.py); without graphs,
-or past their batch sizes, either part runs eagerly.
+or past their batch sizes, either part runs eagerly. The accept, the path's commit and the step's outputs are one
+launch on the GPU (kernels/tree_accept.py), as the chain's greedy accept is.
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
@@ -50,8 +51,8 @@ from ..acceptance import verify_sampled, verify_sampled_logits, verify_sampled_q
 from ..dflash2 import DraftBlock
 from ..kernels.block_inputs import block_inputs_torch
 from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_accept
+from ..kernels.tree_accept import tree_accept_torch
 from ..sampling import SamplingTensors, processed_probs
-from ..tree_acceptance import verify_tree_greedy
 from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
@@ -163,14 +164,16 @@ class DFlashWorker(BaseSpecWorker):
         self._tree_graphs: TreeVerifyGraphs | None = None
         self._graph_tree_bs: set[int] = set()
         self._tree_counts = {"verify graphed": 0, "verify eager": 0, "built in graph": 0, "built eagerly": 0}
-        # one launch each on the GPU for the block inputs and for the greedy accept + its bookkeeping (kernels/);
-        # their torch twins on CPU
+        # one launch each on the GPU for the block inputs, for the greedy accept + its bookkeeping and for a tree
+        # step's accept + commit + bookkeeping (kernels/); their torch twins on CPU
         self._fill_block_inputs, self._greedy_accept = block_inputs_torch, greedy_accept_torch
+        self._tree_accept = tree_accept_torch
         if self.device != "cpu":
             from ..kernels.block_inputs import block_inputs
             from ..kernels.greedy_accept import greedy_accept
+            from ..kernels.tree_accept import tree_accept
 
-            self._fill_block_inputs, self._greedy_accept = block_inputs, greedy_accept
+            self._fill_block_inputs, self._greedy_accept, self._tree_accept = block_inputs, greedy_accept, tree_accept
         # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
         self._draft_spec_info = DFlashVerifyInput(
             draft_token=torch.empty(0, dtype=torch.int64, device=dev),
@@ -414,8 +417,10 @@ class DFlashWorker(BaseSpecWorker):
     def _tree_decode_step(self, batch, state, prefix, bs, on_publish):
         """A decode step that verifies a draft tree of N nodes (SGLANG_DFLASH_TREE; tree_step.py says why and how):
         the chain's drafter pass -> best-first tree -> one target pass under the tree mask (it also writes every
-        node's draft context K/V at its slot and position) -> verify_tree_greedy -> req_to_token permuted so the
-        path's slots come first. The outputs are commit_outputs' of (commit_lens, tokens), as the chain's.
+        node's draft context K/V at its slot and position) -> the target's argmax -> ``_tree_accept``: the greedy
+        tree rule (tree_acceptance.verify_tree_greedy), req_to_token permuted so the path's slots come first
+        (tree_step.commit_path) and the step's outputs (commit_outputs of (commit_lens, tokens), as the chain's),
+        in one launch on the GPU (kernels/tree_accept.py), its torch twin (those three functions) on CPU.
 
         Under CUDA graphs (tree_graphs.py) the draft replay builds the tree into the static buffers (where its batch
         size's draft graph has the tree head; else the eager build is stored there) and the verify replays the tree
@@ -452,10 +457,9 @@ class DFlashWorker(BaseSpecWorker):
             logits, graphed = self._verify(batch, ids, positions, cache_loc, self._host_lens(batch, state, N), bs, N)
             tree_verify.replayed = graphed
         self._count_tree_step(bs, graphed, built_in_graph)
-        with _phase("dflash.accept"):
-            commit_lens, tokens, path = verify_tree_greedy(tree, logits.view(bs, N, -1))
-            tree_step.commit_path(req_to_token, batch.req_pool_indices, prefix, path)
-            next_ids, bonus, accept_lens, new_seq_lens = commit_outputs(commit_lens, tokens, prefix)
+        with _phase("dflash.accept"):  # two launches on the GPU: the argmax, then the rule + commit + outputs
+            _, _, next_ids, bonus, accept_lens, new_seq_lens = self._tree_accept(
+                logits.view(bs, N, -1).argmax(dim=-1), tree, prefix, batch.req_pool_indices, req_to_token)
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._control.step_end()

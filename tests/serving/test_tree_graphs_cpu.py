@@ -7,8 +7,9 @@
 - ``TreeVerifyGraphs.capture`` builds SGLang's graph runner (a stand-in here) while ``tree_step.active()`` holds a
   TreeVerify whose kernel mask is the static buffers themselves (the pointers the captured launches keep).
 - ``DFlashWorker._tree_decode_step`` on stand-ins: a graphed step verifies from the static buffers through the tree
-  graph runner (no attention call claims the tree in a replay, and that is no error); a batch past the captured
-  sizes takes the eager path on the step's own tensors; the log counts both.
+  graph runner (no attention call claims the tree in a replay, and that is no error) and commits the accepted path
+  (req_to_token as tree_step.commit_path leaves it); a batch past the captured sizes takes the eager path on the
+  step's own tensors; the log counts both.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from _capturable import assert_capturable
 
 from sglang_dflash.draft_tree import build_draft_tree
 from sglang_dflash.kernels.block_inputs import block_inputs_torch
+from sglang_dflash.kernels.tree_accept import tree_accept_torch
 from sglang_dflash.serving import tree_step
 from sglang_dflash.serving.tree_graphs import TreeBuffers, TreeVerifyGraphs
 
@@ -220,7 +222,8 @@ def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool):
                          req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
                          cfg=SimpleNamespace(mask_token_id=1), _block_ids=buf.clone(), _positions=buf.clone(),
                          _cache_loc=buf.clone(), _verify_ids=buf.clone().view(-1),
-                         _fill_block_inputs=block_inputs_torch, _control=SimpleNamespace(step_end=lambda: None),
+                         _fill_block_inputs=block_inputs_torch, _tree_accept=tree_accept_torch,
+                         _control=SimpleNamespace(step_end=lambda: None),
                          _tree_counts={"verify graphed": 0, "verify eager": 0, "built in graph": 0, "built eagerly": 0},
                          _graph_tree_bs={bs} if built_in_graph else set(),
                          model_runner=SimpleNamespace(decode_cuda_graph_runner="chain graphs", attn_backend="chain"))
@@ -248,11 +251,14 @@ def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool):
                     runner=me.model_runner.decode_cuda_graph_runner, mask=tree.kernel_mask, ids_ptr=ids.data_ptr())
         if not graphed:
             tree.claim(width)  # an eager forward's attention hooks take the tree
-        # target logits that accept node 1 (the root's first child) and reject below it
+        # target logits that accept the root's last child and reject below it (a child past node 1 where the root
+        # has several: its slot must move to column prefix + 1)
         logits = torch.full((bs_, width, V), -5.0)
         t = tree_step.active()
-        first = me._tree_buffers.tree(bs_).tokens[:, 1] if graphed else anchors_tree.tokens[:, 1]
-        logits[torch.arange(bs_), 0, first] = 5.0
+        src = me._tree_buffers.tree(bs_) if graphed else anchors_tree
+        kid = torch.where((src.parents == 0) & (src.tokens >= 0), torch.arange(width), 0).max(dim=1).values
+        logits[torch.arange(bs_), 0, src.tokens[torch.arange(bs_), kid]] = 5.0
+        seen["kid"] = kid
         assert t is tree
         seen["logits"] = logits
         return logits.view(bs_ * width, V), graphed
@@ -291,6 +297,11 @@ def test_graphed_tree_step_verifies_from_the_static_buffers(built_in_graph, capl
         assert torch.equal(seen[name], w), name
     assert me.model_runner.decode_cuda_graph_runner == "chain graphs" and tree_step.active() is None
     assert out.accept_lens.tolist() == _accept_lens(tree, seen, prefix) and out.can_run_cuda_graph
+    from sglang_dflash.tree_acceptance import verify_tree_greedy
+
+    assert (seen["kid"] > 1).any()  # so the commit is not the identity permutation
+    tree_step.commit_path(before, batch.req_pool_indices, prefix, verify_tree_greedy(tree, seen["logits"])[2])
+    assert torch.equal(me.req_to_token_pool.req_to_token, before)  # the step committed the accepted path
     assert me._tree_counts == {"verify graphed": 1, "verify eager": 0, "built in graph": int(built_in_graph),
                                "built eagerly": int(not built_in_graph)}
     from benchmarks.tree_graph_check import tree_counts  # what the GPU runs read from the server log
