@@ -184,7 +184,7 @@ SWITCHES: tuple[Switch, ...] = (
            "directory", "where converted targets (SmolLM2, Gemma-3), their GGUF parts and the stub libcuda are kept"),
     Switch(TREE, "tree", _tree_size, "0", "0, or N with 2 <= N <= B",
            "tree verify (issue #38, serving/tree_step.py): N > 0 lets a step verify a best-first draft tree of N "
-           "nodes from the same drafter pass instead of the chain, in all-greedy batches without penalties, "
+           "nodes from the same drafter pass instead of the chain, in batches (greedy or sampled) without penalties, "
            "grammar, logit_bias or logprobs (others keep the chain); the adaptive policy chooses the tree where its "
            "measured tokens per second beat the chain's (docs/CONTROLS.md), adaptivity off or a pinned k > 0 "
            "takes it at every drafted step; DFlash drafters, --tp-size 1, --page-size 1, no "

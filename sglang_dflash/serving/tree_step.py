@@ -13,10 +13,13 @@ steps on plain torch, ``reference/engine.py: ReferenceEngine._tree_step``). One 
             request, and N <= B), attention under the tree mask (``TreeVerify``, read by the attention hooks:
             cpu_ops.verify_attention on CPU, kernels/verify_attention.py's tree mode on GPU); a replay of the
             tree verify CUDA graphs (tree_graphs.py), eager (``eager``) without them or past their batch sizes
-    accept  tree_acceptance.verify_tree_greedy -> commit_lens, tokens, path (the tree rows to keep)
+    accept  tree_acceptance.verify_tree_greedy -> commit_lens, tokens, path (the tree rows to keep); a batch with
+            sampled rows: verify_tree_sampled on the target's processed probabilities per node (the chain's
+            sampled path's, sampling.processed_probs), exact for greedy rows too (point masses)
     commit  ``commit_path``: permute req_to_token[req, prefix : prefix + N] so the path's slots come first
-            (on the GPU accept, commit and the step's outputs are one launch, kernels/tree_accept.py, whose torch
-            twin, the CPU path, is these two functions and greedy_accept.commit_outputs)
+            (on the GPU a greedy batch's accept, commit and outputs are one launch, kernels/tree_accept.py, whose
+            torch twin, the CPU path, is these two functions and greedy_accept.commit_outputs; a sampled batch
+            runs the same functions with verify_tree_sampled, in torch on either device)
 
 Why the commit is a permutation and not a KV copy: the verify forward already wrote, at every node's slot, the
 target's K/V and (context_commit.py, inside the same forward) the drafter's context K/V, both computed at the
@@ -130,21 +133,29 @@ def eager(model_runner):
 
 
 def applies(batch) -> bool:
-    """Whether this decode batch may take a tree step: all-greedy, and no per-request control that needs per-row
-    state along the drafted path (penalties / min_new_tokens, grammar, logit_bias: controls.py applies them along
-    a chain; a tree would need their state per node) and no logprobs (the chain's output layout). Host-side flags
-    SGLang already holds: no sync. SGLang's ``is_all_greedy`` is sticky (merging a sampled request clears it, and
-    filtering the request out does not set it again), so when it is off the requests' own settings decide (SGLang
-    encodes greedy as top_k = 1): one host pass over the batch's requests, no device read."""
+    """Whether this decode batch may take a tree step: no per-request control that needs per-row state along the
+    drafted path (penalties / min_new_tokens, grammar, logit_bias: controls.py applies them along a chain; a tree
+    would need their state per node) and no logprobs (the chain's output layout). Greedy and sampled rows
+    (temperature, top-k, top-p, min-p) both qualify: the worker accepts an all-greedy batch (``all_greedy``) with
+    the greedy tree rule and any other with the exact sampled one (tree_acceptance.verify_tree_sampled; greedy
+    rows are point masses there). Host-side flags SGLang already holds: no sync, no pass over the requests."""
     info = batch.sampling_info
     if info is not None:
         if info.logit_bias is not None:
             return False
-        if not info.is_all_greedy and not all(r.sampling_params.top_k == 1 for r in batch.reqs):
-            return False
         if info.acc_additive_penalties is not None or getattr(info, "acc_scaling_penalties", None) is not None:
             return False
     return not getattr(batch, "has_grammar", False) and not batch.return_logprob
+
+
+def all_greedy(batch) -> bool:
+    """Whether every request of the batch decodes greedily, so a tree step may take the greedy rule (one launch on
+    the GPU, kernels/tree_accept.py) instead of the sampled one. SGLang's ``is_all_greedy`` is sticky (merging a
+    sampled request clears it, and filtering the request out does not set it again), so when it is off the
+    requests' own settings decide (SGLang encodes greedy as top_k = 1): one host pass over the batch's requests, no
+    device read. (The sampled rule would give greedy rows the same tokens, at the cost of the dense probabilities.)"""
+    info = batch.sampling_info
+    return info is None or info.is_all_greedy or all(r.sampling_params.top_k == 1 for r in batch.reqs)
 
 
 def build_tree(draft_model, hidden: torch.Tensor, anchors: torch.Tensor, size: int) -> DraftTree:

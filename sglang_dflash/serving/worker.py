@@ -24,21 +24,23 @@ drafter's context K/V, so speculation can resume at any later step without re-pr
 and verifies its first k drafts (benchmarks/results/width-acceptance-smollm2-cpu compares this with drafting a
 shorter block).
 
-Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step whose batch is all-greedy without per-request
-controls (``tree_step.applies``) may verify an N-node draft tree built from the same drafter pass instead of the
-chain, and commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``). Which
+Tree verify (SGLANG_DFLASH_TREE=N, issue #38; tree_step.py): a step whose batch has no per-request controls
+(``tree_step.applies``: greedy and sampled rows qualify) may verify an N-node draft tree built from the same drafter
+pass instead of the chain, accepts with the greedy tree rule (all-greedy batches) or the exact sampled one, and
+commits the accepted path by permuting the request's req_to_token slots (``_tree_decode_step``). Which
 shape runs is the width policy's choice (width_control.py): the tree is one more shape next to k = 0 and every
 chain width, priced by its own step time and expected commit, so it runs where it pays (with adaptivity off, or a
 pinned k > 0: always, where the batch qualifies). Every other step is the chain step above, unchanged. On the GPU
 the tree is built inside the draft CUDA graph (its capture tail, with the greedy head) and the verify replays tree
 verify graphs of width N whose attention reads the tree mask from static buffers (tree_graphs.py); without graphs,
-or past their batch sizes, either part runs eagerly. The accept, the path's commit and the step's outputs are one
-launch on the GPU (kernels/tree_accept.py), as the chain's greedy accept is.
+or past their batch sizes, either part runs eagerly. An all-greedy batch's accept, the path's commit and the step's
+outputs are one launch on the GPU (kernels/tree_accept.py), as the chain's greedy accept is; a batch with sampled rows
+takes the sampled tree rule in torch (``_tree_accept_sampled``).
 
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
-the tree switch on, ``tree_step.applies`` may read the requests' top_k on the host at every decode step, and an
-eager tree build or verify allocates its few [bs, N] tensors per step; neither syncs.)
+the tree switch on, a tree step may read the requests' top_k on the host (``tree_step.all_greedy``), and an eager
+tree build or verify allocates its few [bs, N] tensors per step; neither syncs.)
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from ..kernels.block_inputs import block_inputs_torch
 from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_accept
 from ..kernels.tree_accept import tree_accept_torch
 from ..sampling import SamplingTensors, processed_probs
+from ..tree_acceptance import verify_tree_sampled
 from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
@@ -158,6 +161,7 @@ class DFlashWorker(BaseSpecWorker):
         self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
         self._logged_q_drafts = False  # the first step drawing DFlash2 drafts from q says so in the log, once
         self._logged_tree_step = False  # the first tree step says so in the log, once (tests look for it)
+        self._logged_sampled_tree = False  # so does the first tree step with sampled rows
         # tree steps under CUDA graphs (tree_graphs.py; set up in init_cuda_graphs): the static tree buffers, the
         # tree verify graphs, the draft-graph batch sizes whose replay builds the tree, and how each tree step ran
         self._tree_buffers: TreeBuffers | None = None
@@ -184,11 +188,10 @@ class DFlashWorker(BaseSpecWorker):
                     list(self.cfg.target_layer_ids), self.cfg.mask_token_id, bundle.resolved_attention_backend,
                     not server_args.disable_overlap_schedule, controls.describe())
         if self._tree_size:
-            logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps of all-greedy batches without "
-                        "penalties, grammar, logit_bias or logprobs may verify a draft tree of %d nodes, where the "
-                        "width policy chooses it (CUDA graphs or eager: the tree graph line at start-up says which); "
-                        "other steps verify the chain",
-                        self._tree_size, self._tree_size)
+            logger.info("sglang-dflash: tree verify on (SGLANG_DFLASH_TREE=%d): steps of batches (greedy or "
+                        "sampled) without penalties, grammar, logit_bias or logprobs may verify a draft tree of %d "
+                        "nodes, where the width policy chooses it (CUDA graphs or eager: the tree graph line at "
+                        "start-up says which); other steps verify the chain", self._tree_size, self._tree_size)
 
     # ------------------------------------------------------------------------------ scheduler plumbing
     @property
@@ -417,10 +420,12 @@ class DFlashWorker(BaseSpecWorker):
     def _tree_decode_step(self, batch, state, prefix, bs, on_publish):
         """A decode step that verifies a draft tree of N nodes (SGLANG_DFLASH_TREE; tree_step.py says why and how):
         the chain's drafter pass -> best-first tree -> one target pass under the tree mask (it also writes every
-        node's draft context K/V at its slot and position) -> the target's argmax -> ``_tree_accept``: the greedy
-        tree rule (tree_acceptance.verify_tree_greedy), req_to_token permuted so the path's slots come first
-        (tree_step.commit_path) and the step's outputs (commit_outputs of (commit_lens, tokens), as the chain's),
-        in one launch on the GPU (kernels/tree_accept.py), its torch twin (those three functions) on CPU.
+        node's draft context K/V at its slot and position) -> the accept. An all-greedy batch: the target's argmax
+        -> ``_tree_accept``: the greedy tree rule (tree_acceptance.verify_tree_greedy), req_to_token permuted so the
+        path's slots come first (tree_step.commit_path) and the step's outputs (commit_outputs of (commit_lens,
+        tokens), as the chain's), in one launch on the GPU (kernels/tree_accept.py), its torch twin (those three
+        functions) on CPU. A batch with sampled rows: ``_tree_accept_sampled``, the same three steps with the sampled
+        tree rule (tree_acceptance.verify_tree_sampled) on the target's processed probabilities.
 
         Under CUDA graphs (tree_graphs.py) the draft replay builds the tree into the static buffers (where its batch
         size's draft graph has the tree head; else the eager build is stored there) and the verify replays the tree
@@ -457,9 +462,13 @@ class DFlashWorker(BaseSpecWorker):
             logits, graphed = self._verify(batch, ids, positions, cache_loc, self._host_lens(batch, state, N), bs, N)
             tree_verify.replayed = graphed
         self._count_tree_step(bs, graphed, built_in_graph)
-        with _phase("dflash.accept"):  # two launches on the GPU: the argmax, then the rule + commit + outputs
-            _, _, next_ids, bonus, accept_lens, new_seq_lens = self._tree_accept(
-                logits.view(bs, N, -1).argmax(dim=-1), tree, prefix, batch.req_pool_indices, req_to_token)
+        with _phase("dflash.accept"):
+            if tree_step.all_greedy(batch):  # two launches on the GPU: the argmax, then the rule + commit + outputs
+                _, _, next_ids, bonus, accept_lens, new_seq_lens = self._tree_accept(
+                    logits.view(bs, N, -1).argmax(dim=-1), tree, prefix, batch.req_pool_indices, req_to_token)
+            else:
+                next_ids, bonus, accept_lens, new_seq_lens = self._tree_accept_sampled(
+                    batch, logits.view(bs, N, -1), tree, prefix, req_to_token)
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._control.step_end()
@@ -467,6 +476,32 @@ class DFlashWorker(BaseSpecWorker):
             logits_output=None, next_token_ids=next_ids, accept_lens=accept_lens,
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=N, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
+
+    def _tree_accept_sampled(self, batch, logits, tree, prefix, req_to_token):
+        """A tree step's accept for a batch with sampled rows: (next_ids, bonus, accept_lens, new_seq_lens).
+
+        The target's processed distribution at every node (``logits`` [bs, N, V]: row i scores node i's children),
+        built as the chain's sampled accept builds it per block position (``_batch_sampling``: temperature, top-k,
+        top-p, min-p; SGLang's greedy rows are top_k = 1, so point masses on the argmax, which the sampled rule
+        accepts exactly as the greedy one), then the exact rule (tree_acceptance.verify_tree_sampled: recursive
+        rejection over siblings, the reference engine's), the path's commit (tree_step.commit_path) and the
+        step's outputs (commit_outputs), the three steps of the greedy one-launch path. Dense [bs * N, V] float32
+        probabilities: no logits-only form of the tree rule exists (the chain has one for unfiltered batches).
+        The draws are this rank's own: no rank-0 broadcast as in ``_rank0_outcome``, because trees are refused at
+        --tp-size > 1 at start-up (startup.check_tree), as are DFlash2 drafters (so every node is a point-mass
+        draft, the case verify_tree_sampled serves)."""
+        bs, N, V = logits.shape
+        s, filtered = _batch_sampling(batch.sampling_info, V)
+        probs = processed_probs(logits.reshape(bs * N, V), s.repeat_interleave(N), filtered).view(bs, N, V)
+        commit_lens, tokens, path = verify_tree_sampled(tree, probs)
+        tree_step.commit_path(req_to_token, batch.req_pool_indices, prefix, path)
+        if not self._logged_sampled_tree:
+            sampled = sum(r.sampling_params.top_k != 1 for r in batch.reqs)  # host pass, until logged once
+            if sampled:  # SGLang's is_all_greedy is sticky: this path may run with greedy rows only
+                self._logged_sampled_tree = True
+                logger.info("sglang-dflash: first sampled tree step (%d nodes, batch of %d, %d sampled rows)", N, bs,
+                            sampled)
+        return commit_outputs(commit_lens, tokens, prefix)
 
     def _count_tree_step(self, bs, graphed, built_in_graph):
         """How tree steps ran (verify graphed or eager, tree built in the draft graph or eagerly), logged at tree
@@ -616,12 +651,7 @@ class DFlashWorker(BaseSpecWorker):
         """The sampled rule for the batch: point-mass drafts (drawn_from None) by verify_sampled(_logits); drafts
         drawn from q (drawn_from = their DraftBlock: candidates, q) by verify_sampled_q."""
         bs, B, V = logits.shape
-        # SGLang encodes greedy as top_k = 1 (temperature 1): processed_probs then gives the argmax point mass.
-        s = SamplingTensors(temperature=info.temperatures.reshape(-1).float(),
-                            top_k=info.top_ks.reshape(-1).to(torch.int64).clamp(max=V),
-                            top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
-        # SGLang's host-side flags say whether any row filters (greedy rows, top_k = 1, count as filtering)
-        filtered = bool(info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling)
+        s, filtered = _batch_sampling(info, V)
         if not filtered and drawn_from is None:
             # Every row samples softmax(logits / T) (no greedy rows either: those are top_k = 1): the same rule on
             # the logits, without the [bs x B, V] float32 probabilities (tests/test_acceptance_logits.py: same law).
@@ -633,6 +663,17 @@ class DFlashWorker(BaseSpecWorker):
         # accept d with min(1, p(d) / q(d)), on rejection draw from (p - q)+; the dense probabilities, as no
         # logits-only form of this rule exists yet
         return verify_sampled_q(drafts, probs, drawn_from.candidates, drawn_from.q)
+
+
+def _batch_sampling(info, vocab: int) -> tuple[SamplingTensors, bool]:
+    """SGLang's sampling info of a batch as our SamplingTensors (one row per request) and whether any row filters
+    (processed_probs' ``filtered``): the one mapping the chain's and the tree's sampled accepts share."""
+    # SGLang encodes greedy as top_k = 1 (temperature 1): processed_probs then gives the argmax point mass.
+    s = SamplingTensors(temperature=info.temperatures.reshape(-1).float(),
+                        top_k=info.top_ks.reshape(-1).to(torch.int64).clamp(max=vocab),
+                        top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
+    # SGLang's host-side flags say whether any row filters (greedy rows, top_k = 1, count as filtering)
+    return s, bool(info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling)
 
 
 def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 - Tiny Qwen3 pair (the shared no-speculation baseline): greedy outputs with a tree of 8 nodes (overlap scheduling,
   chunked prefill, a small KV pool that retracts, k forced through plain and drafted steps) and of 16 nodes (no
-  overlap, the full block every step) equal plain decoding's, with sampled requests in the same batches (those
-  batches take the chain step, the greedy ones keep their outputs).
+  overlap, the full block every step) equal plain decoding's, with sampled requests (temperature, top-k, top-p,
+  min-p) in the same batches: those batches take tree steps too (the sampled tree rule, exact for the greedy rows
+  in them, which keep their outputs; the log says a tree step took sampled rows), and every sampled token lies in
+  the target's processed support.
 - SmolLM2-135M-Instruct with the drafter we ship: greedy outputs with a tree of 16 equal plain decoding's, and the
   server's accept length (completion tokens per verify step) with the tree is at least the chain's, both measured
   on the same server (the reference engine measured 2.59 -> 3.25 on held-out prompts, benchmarks/tree_tau.py).
@@ -33,6 +35,8 @@ from .models import random_prompts  # noqa: E402
 PORTS = {8: 30060, 16: 30061}
 SCHEDULE = "1,1,0,3,1,15,0,0,1,7"
 MAX_TOKENS = 40
+# the sampled requests of the mixed batches: each control the sampled tree rule maps (sampling.processed_probs)
+SAMPLED = [{"temperature": 0.9}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.1, "top_p": 0.8, "min_p": 0.05}]
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +67,15 @@ def test_tree_greedy_equals_plain_decoding(tree_servers, size):
     base, spec, vocab = tree_servers["base"], tree_servers[size], tree_servers["vocab"]
     prompts = random_prompts(10, vocab, seed=81, lo=8, hi=60)
     sampled_prompt = random_prompts(1, vocab, seed=82, lo=10, hi=11)[0]
-    with cf.ThreadPoolExecutor(2) as pool:  # sampled requests share batches with the greedy ones (chain steps)
+    with cf.ThreadPoolExecutor(len(SAMPLED)) as pool:  # sampled requests share batches with the greedy ones
         sampled = [pool.submit(generate, spec, {"input_ids": sampled_prompt, "sampling_params": {
-            "max_new_tokens": 24, "temperature": 0.9, "sampling_seed": seed}}) for seed in (1, 2)]
+            "max_new_tokens": 24, "sampling_seed": i + 1, **params}}) for i, params in enumerate(SAMPLED)]
         metas = compare_greedy(base, spec, prompts, max_tokens=MAX_TOKENS, max_workers=20, max_excused_prompts=0)
-        for f in sampled:
-            assert_valid_sample(base, sampled_prompt, f.result()["output_ids"], vocab, 0.9)
+        for f, params in zip(sampled, SAMPLED):
+            assert_valid_sample(base, sampled_prompt, f.result()["output_ids"], vocab, **params)
     assert log_count(spec, f"tree verify on ({TREE}={size})") >= 1, "the tree switch was not in force"
     assert log_count(spec, f"first tree verify step ({size} nodes") >= 1, "no tree step ran"
+    assert log_count(spec, f"first sampled tree step ({size} nodes") == 1, "no tree step took sampled rows"
     assert_multi_token(metas, f"greedy requests with a tree of {size}")
     # no CUDA graphs on the CPU: the start-up line says so, and every counted tree step ran eagerly
     from benchmarks.tree_graph_check import startup_line, tree_counts

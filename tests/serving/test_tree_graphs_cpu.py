@@ -208,17 +208,20 @@ def test_no_target_graphs_no_tree_graphs(fake_capture):
 
 
 # ------------------------------------------------------------------------------------ the worker's tree step
-def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool):
+def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool, sampling=None, target=None):
     """A DFlashWorker stand-in for _tree_decode_step: real block inputs and tree code, a draft runner whose forward
     reports a replay of bs (whose tail wrote the tree when built_in_graph), and a target whose _verify records what
-    it was handed and reports a replay when the tree graph runner is in place."""
+    it was handed and reports a replay when the tree graph runner is in place. ``sampling``: (SGLang's sampling
+    info, the requests' SGLang top_k) of the batch, all-greedy when None; ``target``: the verify's logits
+    [bs, N, V] (default: logits accepting the root's last child)."""
     from sglang_dflash.serving import worker
 
     prefix, rows, req_to_token = _pool(bs)
     hidden = torch.randn(bs * B, H)
     model = _model()
     buf = torch.zeros(8, B, dtype=torch.int64)
-    me = SimpleNamespace(block=B, _tree_size=N, _logged_tree_step=False, draft_model=model, device="cpu",
+    me = SimpleNamespace(block=B, _tree_size=N, _logged_tree_step=False, _logged_sampled_tree=False,
+                         draft_model=model, device="cpu",
                          req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
                          cfg=SimpleNamespace(mask_token_id=1), _block_ids=buf.clone(), _positions=buf.clone(),
                          _cache_loc=buf.clone(), _verify_ids=buf.clone().view(-1),
@@ -260,6 +263,8 @@ def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool):
         logits[torch.arange(bs_), 0, src.tokens[torch.arange(bs_), kid]] = 5.0
         seen["kid"] = kid
         assert t is tree
+        if target is not None:
+            logits = target.clone()
         seen["logits"] = logits
         return logits.view(bs_ * width, V), graphed
 
@@ -267,7 +272,10 @@ def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool):
     me._host_lens = lambda batch, state, width: (None, None)
     me._block_inputs = types.MethodType(worker.DFlashWorker._block_inputs, me)
     me._count_tree_step = types.MethodType(worker.DFlashWorker._count_tree_step, me)
-    batch = SimpleNamespace(req_pool_indices=rows)
+    me._tree_accept_sampled = types.MethodType(worker.DFlashWorker._tree_accept_sampled, me)
+    info, top_ks = sampling if sampling is not None else (None, [1] * bs)
+    batch = SimpleNamespace(req_pool_indices=rows, sampling_info=info,
+                            reqs=[SimpleNamespace(sampling_params=SimpleNamespace(top_k=k)) for k in top_ks])
     state = SimpleNamespace(bonus_tokens=bonus)
     return worker, me, batch, state, prefix, anchors_tree, seen
 

@@ -133,20 +133,36 @@ def _batch(top_ks=(1, 1), **info):
                            reqs=reqs)
 
 
-def test_which_batches_take_a_tree_step():
-    assert tree_step.applies(_batch())
-    assert not tree_step.applies(_batch(is_all_greedy=False, top_ks=(1, 1 << 30)))  # SGLang: top_k -1 -> 1 << 30
-    # SGLang's is_all_greedy stays off once a sampled request has been merged, even after it left the batch
-    assert tree_step.applies(_batch(is_all_greedy=False, top_ks=(1, 1)))
-    assert not tree_step.applies(_batch(logit_bias=torch.zeros(1, 4)))
-    assert not tree_step.applies(_batch(acc_additive_penalties=torch.zeros(1, 4)))
-    assert not tree_step.applies(_batch(acc_scaling_penalties=torch.ones(1, 4)))
-    b = _batch()
+SAMPLED = dict(is_all_greedy=False, top_ks=(1, 1 << 30))  # a greedy row and a sampled one (SGLang: top_k -1 -> 1 << 30)
+
+
+ROWS = {"greedy": {}, "mixed": SAMPLED, "sampled": dict(is_all_greedy=False, top_ks=(5, 40))}
+
+
+@pytest.mark.parametrize("case", list(ROWS))
+def test_which_batches_take_a_tree_step(case):
+    """Greedy and sampled rows qualify (the worker picks the rule: ``all_greedy``); per-request controls that need
+    per-node state, and logprobs, keep the batch on the chain, whatever its rows sample."""
+    rows = ROWS[case]
+    assert tree_step.applies(_batch(**rows))
+    assert not tree_step.applies(_batch(**rows, logit_bias=torch.zeros(1, 4)))
+    assert not tree_step.applies(_batch(**rows, acc_additive_penalties=torch.zeros(1, 4)))  # min_new_tokens too
+    assert not tree_step.applies(_batch(**rows, acc_scaling_penalties=torch.ones(1, 4)))
+    b = _batch(**rows)
     b.has_grammar = True
     assert not tree_step.applies(b)
-    b = _batch()
+    b = _batch(**rows)
     b.return_logprob = True
     assert not tree_step.applies(b)
+
+
+def test_which_tree_steps_take_the_greedy_rule():
+    assert tree_step.all_greedy(_batch())
+    assert not tree_step.all_greedy(_batch(**SAMPLED))
+    assert not tree_step.all_greedy(_batch(is_all_greedy=False, top_ks=(5, 40)))
+    # SGLang's is_all_greedy stays off once a sampled request has been merged, even after it left the batch
+    assert tree_step.all_greedy(_batch(is_all_greedy=False, top_ks=(1, 1)))
+    assert tree_step.all_greedy(SimpleNamespace(sampling_info=None, reqs=[]))
 
 
 def test_the_tree_reaches_an_attention_hook():
