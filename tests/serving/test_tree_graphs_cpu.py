@@ -208,7 +208,11 @@ def test_no_target_graphs_no_tree_graphs(fake_capture):
 
 
 # ------------------------------------------------------------------------------------ the worker's tree step
-def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool, sampling=None, target=None):
+SEED = 0
+
+
+def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool, sampling=None, target=None,
+                   seed: int = SEED):
     """A DFlashWorker stand-in for _tree_decode_step: real block inputs and tree code, a draft runner whose forward
     reports a replay of bs (whose tail wrote the tree when built_in_graph), and a target whose _verify records what
     it was handed and reports a replay when the tree graph runner is in place. ``sampling``: (SGLang's sampling
@@ -216,6 +220,9 @@ def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool, sam
     [bs, N, V] (default: logits accepting the root's last child)."""
     from sglang_dflash.serving import worker
 
+    # seeded: the graphed test needs a tree whose accepted child of the root is not node 1 (a commit that is not the
+    # identity permutation), and an unseeded draw, after whatever ran before in the session, gave none in a CI run
+    torch.manual_seed(seed)
     prefix, rows, req_to_token = _pool(bs)
     hidden = torch.randn(bs * B, H)
     model = _model()

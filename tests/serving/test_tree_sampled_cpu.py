@@ -54,7 +54,7 @@ def _step(rows, graphs, seed):
     info = sampling_info(rows)
     torch.manual_seed(seed)
     target = torch.zeros(bs, N, V)  # filled below, once the stand-in's tree is known; _verify reads it at the step
-    _, me, batch, state, prefix, tree, _ = _step_stand_in(bs, graphs, graphs is not None,
+    _, me, batch, state, prefix, tree, _ = _step_stand_in(bs, graphs, graphs is not None, seed=seed,
                                                           sampling=(info, info.top_ks.tolist()), target=target)
     target.copy_(_target(tree, seed))
     before = me.req_to_token_pool.req_to_token.clone()
