@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
                         k = (d, r["uid"], r["turn"], c)
                         seen[k] = seen.get(k, -1) + 1
                         greedy_out.append({"dataset": d, "uid": r["uid"], "turn": r["turn"], "concurrency": c,
-                                           "rep": seen[k], "ids": r["output_ids"]})
+                                           "rep": seen[k], "ids": r["output_ids"], "prompt": r.get("input_ids"),
+                                           "max_new": args.max_new_tokens, "ignore_eos": args.ignore_eos})
     bar.close()
     path = out / f"{args.method}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")

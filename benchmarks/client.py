@@ -71,7 +71,7 @@ async def generate(session: aiohttp.ClientSession, url: str, input_ids: list[int
     """One streamed /generate request; returns timings (monotonic s), token counts, spec counters, output ids."""
     body = {"input_ids": input_ids, "sampling_params": sampling.params(), "stream": True}
     rec: dict[str, Any] = {"t_start": time.perf_counter(), "t_first": None, "t_end": None, "error": None,
-                           "prompt_tokens": len(input_ids), "completion_tokens": 0, "spec_verify_ct": None,
+                           "input_ids": input_ids, "prompt_tokens": len(input_ids), "completion_tokens": 0, "spec_verify_ct": None,
                            "spec_accept_tokens": None, "output_ids": [], "finish_reason": None}
     last: dict | None = None
     try:

@@ -49,7 +49,7 @@ from pathlib import Path
 from sglang_dflash import settings
 from sglang_dflash.testing import WORKER_ENV, Server, server_argv as launch_argv
 
-from . import bench, report
+from . import bench, greedy_judge, report
 from .report import RERUN  # a method's name with this suffix runs the same server again (--bracket)
 
 DEFAULT_COMMON = ("--attention-backend triton --sampling-backend pytorch --grammar-backend none "
@@ -162,6 +162,8 @@ def server_env(args, method: str) -> dict:
     env = dict(os.environ)
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
+    if args.dummy and not args.sglang_dummy_weights:  # every method serves the same context-dependent target
+        env[settings.DUMMY_WEIGHTS] = "model"
     var, _, val = args.worker_env.partition("=")
     if method == "builtin":
         env[var] = val
@@ -197,7 +199,10 @@ def write_skip(out: Path, method: str, reason: str, extra: dict | None = None) -
     print(f"[driver] {method}: SKIPPED - {reason}", flush=True)
 
 
-def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info: dict) -> None:
+def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info: dict,
+               judge_against: list[str] | None = None) -> None:
+    """Start, benchmark and stop one method's server; with `judge_against` (the bracket's rerun of the baseline),
+    judge those methods' greedy outputs against this plain server before it stops (greedy_judge.py)."""
     base = method_variant(method)[0]
     if base == "ours":
         ok, why = ours_available(args.python)
@@ -239,6 +244,9 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
         result["driver"] = dict(driver_info, server_command=cmd, server_pid=srv.pid, healthy_s=healthy_s,
                                 server_ready_s=round(time.time() - t0, 1))  # (start to the end of the bench)
         (out / f"{method}.json").write_text(json.dumps(result, indent=1) + "\n")
+        if judge_against is not None:  # the baseline's rerun, still up: every differing greedy output judged
+            greedy_judge.judge_run(out, srv.url, judge_against, baseline=method[:-len(RERUN)],
+                                   budget_s=args.judge_s)
     finally:
         srv.stop(args.stop_wait_s)
         print(f"[driver] {method}: server stopped after {time.time() - t0:.0f} s", flush=True)
@@ -274,6 +282,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-wait-s", type=float, default=30.0)
     p.add_argument("--bracket", action="store_true",
                    help=f"run the first method again after the others (as <first>{RERUN}): the run's own drift")
+    p.add_argument("--judge-s", type=float, default=300.0,
+                   help="with --bracket and a plain first method: seconds for judging the differing greedy outputs "
+                        "against the rerun's live server (near-tie or lossless failure: greedy_judge.py); 0 = off")
+    p.add_argument("--sglang-dummy-weights", action="store_true",
+                   help="with --dummy: keep SGLang's own dummy weights (default: SGLANG_DFLASH_DUMMY_WEIGHTS=model "
+                        "for every server, weights scaled like a model's, so greedy outputs depend on the context)")
     p.add_argument("--title", default=None)
     return p
 
@@ -308,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.bracket and methods and not methods[0].endswith(RERUN):
         methods.append(methods[0] + RERUN)
     for m in methods:
-        run_method(args, m, bench_argv, out, driver_info)
+        rerun_of_plain = args.bracket and m == methods[0] + RERUN and method_variant(m)[0] == "none"
+        judged = [x for x in methods if x != methods[0]] if rerun_of_plain and args.judge_s > 0 else None
+        run_method(args, m, bench_argv, out, driver_info, judge_against=judged)
     (out / "driver.json").write_text(json.dumps(driver_info, indent=1) + "\n")
     name = args.preset or Path(args.target).name
     report.main([str(out), "--title", args.title or f"{name}: " + ", ".join(methods)])

@@ -35,10 +35,12 @@ STEP_TRACE = "SGLANG_DFLASH_STEP_TRACE"
 STEP_COSTS = "SGLANG_DFLASH_STEP_COSTS"
 CACHE = "SGLANG_DFLASH_CACHE"
 TREE = "SGLANG_DFLASH_TREE"
+DUMMY_WEIGHTS = "SGLANG_DFLASH_DUMMY_WEIGHTS"
 
 WORKERS = ("ours", "builtin")
 CAPTURE_MODES = ("auto", "generic", "check")
 KERNELS = ("ours", "sglang")
+DUMMY_INITS = ("sglang", "model")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -190,6 +192,11 @@ SWITCHES: tuple[Switch, ...] = (
            "takes it at every drafted step; DFlash drafters, --tp-size 1, --page-size 1, no "
            "hybrid targets, GPU: --attention-backend triton; under CUDA graphs the tree is built in the draft graph and "
            "verified by tree verify graphs of width N (serving/tree_graphs.py; eager past the captured sizes)"),
+    Switch(DUMMY_WEIGHTS, "dummy_weights", _choice(*DUMMY_INITS), "sglang", "sglang, model",
+           "benchmarks: what `--load-format dummy` (and the drafter's) leaves in the weights: SGLang's uniform +-1e-3 "
+           "(greedy outputs loop on one or two tokens), or `model`: seeded weights scaled like a trained model's, "
+           "whose greedy outputs depend on the context and whose MoE routing spreads (targets/random_weights.py); "
+           "applies to plain servers too, whichever worker runs, so every method of a run serves the same target"),
 )
 NAMES = tuple(s.name for s in SWITCHES)
 _BY_NAME = {s.name: s for s in SWITCHES}
@@ -216,6 +223,7 @@ class Settings:
     step_costs: str | None
     cache: Path
     tree: int  # range-checked against the block size by tree_size
+    dummy_weights: str
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -109,11 +109,28 @@ def _build_model(model_config, server_args) -> list:
         _DIST["done"] = True
     model = get_model(model_config=model_config, load_config=LoadConfig(load_format="dummy"),
                       device_config=DeviceConfig("cpu"))
+    _WEIGHTS[model_config.hf_config.architectures[0]] = _weight_facts(model)
     per_layer: dict[int, list] = {}
     for m in model.modules():
         if isinstance(m, RadixAttention):
             per_layer[m.layer_id] = [m.tp_k_head_num, m.qk_head_dim, m.tp_v_head_num, m.v_head_dim]
     return [per_layer.get(i) for i in range(model_config.num_hidden_layers)]
+
+
+_WEIGHTS: dict[str, dict] = {}  # per model class, what the dummy load left in its weights (_weight_facts)
+
+
+def _weight_facts(model) -> dict:
+    """Whether the dummy weights were re-drawn like a model's (SGLANG_DFLASH_DUMMY_WEIGHTS=model, which the test
+    sets): every 1-D norm weight 1, and two layers' first matrices not equal (SGLang's dummy draw repeats them)."""
+    import torch
+
+    sd = model.state_dict()
+    norms = [t for n, t in sd.items() if t.dim() == 1 and "norm" in n and t.is_floating_point()]
+    layer0 = [n for n in sd if ".layers.0." in n and sd[n].dim() >= 2 and sd[n].is_floating_point()]
+    twin = layer0[0].replace(".layers.0.", ".layers.1.") if layer0 else None
+    return {"norms": len(norms), "norms_one": sum(bool(torch.all(t == 1)) for t in norms),
+            "layers_differ": bool(twin in sd and not torch.equal(sd[layer0[0]], sd[twin])) if twin else None}
 
 
 def _model_facts(mc) -> dict:
@@ -172,6 +189,7 @@ def start(shape_dir: Path, spec: bool, attention_backend: str, build_models: boo
                                 kv=_layer_shapes(pools.token_to_kv_pool, target_mc.num_hidden_layers))
         if build_models:
             result["target"]["attn"] = _attempt_value(_build_model, target_mc, server_args)
+            result["target"]["weights"] = _WEIGHTS.get(target_mc.hf_config.architectures[0])
         if spec:
             # as Scheduler.maybe_init_draft_worker + build_draft_tp_worker + TpModelWorker(is_draft_worker=True)
             draft_args = draft_server_args_copy(server_args, target_mc)
@@ -195,6 +213,7 @@ def start(shape_dir: Path, spec: bool, attention_backend: str, build_models: boo
 
                     register_draft_model()  # as our DFlashWorker does before SGLang loads the drafter
                     result["draft"]["attn"] = _attempt_value(_build_model, draft_mc, draft_args)
+                    result["draft"]["weights"] = _WEIGHTS.get(draft_mc.hf_config.architectures[0])
     return result
 
 

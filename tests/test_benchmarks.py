@@ -259,6 +259,34 @@ def test_driver_bracket_reruns_the_first_method(tmp_path):
     assert not (tmp_path / "bad" / "none.json").exists()
 
 
+def test_driver_bracket_judges_differing_outputs_on_the_live_plain_server(tmp_path, monkeypatch):
+    """--bracket with plain decoding first: while its rerun is up, every greedy output of another method that differs
+    from plain decoding's is judged there (greedy_judge.py). A planted lossless bug (the fake's --fake-corrupt, on
+    the speculative server only) is a failure, not a near-tie; plain against plain has none. --dummy sets the
+    model-like dummy weights for every server."""
+    from benchmarks import driver
+
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f"#!/bin/bash\nshift 2\ncd {ROOT} && exec {sys.executable} -m benchmarks.fake_server \"$@\"\n")
+    wrapper.chmod(0o755)
+    out = tmp_path / "run"
+    seen_env = []
+    real_env = driver.server_env
+    monkeypatch.setattr(driver, "server_env", lambda args, m: seen_env.append(real_env(args, m)) or seen_env[-1])
+    rc = driver.main(["--target", "/x", "--draft", "/y", "--python", str(wrapper), "--methods", "none,builtin",
+                      "--bracket", "--dummy", "--out", str(out), "--port", str(free_port()), "--wait-s", "30",
+                      "--stop-wait-s", "5", "--spec-args", "--speculative-algorithm DFLASH --fake-corrupt 2", "--",
+                      "--datasets", "random", "--concurrency", "2", "--temperatures", "0", "--max-new-tokens", "6",
+                      "--min-convs", "8", "--no-progress", "--warmup", "0", "--random-vocab", "1000"])
+    assert rc == 0
+    assert all(e[settings.DUMMY_WEIGHTS] == "model" for e in seen_env) and len(seen_env) == 3
+    j = json.loads((out / "judge.json").read_text())["methods"]
+    assert j["none-rerun"]["failed"] == 0 and j["none-rerun"]["identical"] == j["none-rerun"]["compared"] == 8
+    bug = j["builtin"]
+    assert bug["compared"] == 8 and bug["failed"] > 0 and bug["failed"] + bug["identical"] == 8
+    assert bug["failures"][0]["divergence"]["gap"] == pytest.approx(1.0)  # the fake's top-2 gap: no near-tie
+
+
 def test_driver_ours_requires_log_marker(tmp_path, monkeypatch):
     """Even with the plugin 'available', ours is skipped unless its log proves our worker ran."""
     from benchmarks import driver

@@ -46,6 +46,7 @@ def probe(tmp_path_factory):
         from sglang_dflash.testing import build_stub_libcuda, cpu_server_env
 
         env = cpu_server_env(build_stub_libcuda(out / "stub"))
+        env["SGLANG_DFLASH_DUMMY_WEIGHTS"] = "model"  # the benchmarks' dummy weights, through the plugin's hook
     r = subprocess.run([sys.executable, str(PROBE), str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -94,6 +95,11 @@ def test_shape_starts(probe, name, mode):
         assert "no SGlang implementation" in t["attn"]["error"], t["attn"]
     else:
         assert t["attn"] == t["kv"], f"{name}: target attention layers vs target KV pool"
+    # SGLANG_DFLASH_DUMMY_WEIGHTS=model: SGLang's dummy weights re-drawn like a model's (targets/random_weights.py)
+    for part in [d] if name in NO_CPU_MODEL else [t, d]:
+        w = part["weights"]
+        assert w["norms"] > 0 and w["norms_one"] == w["norms"], f"{name}: {w}"
+        assert w["layers_differ"] is not False, f"{name}: two layers hold the same dummy weights"
 
 
 @pytest.mark.parametrize("name", GEMMA4)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..settings import WORKER as WORKER_ENV, current as settings
+from ..settings import DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, WORKER as WORKER_ENV, current as settings
 from .finish_order import update_finish_state_in_token_order  # no imports of its own: on every request's step
 
 logger = logging.getLogger("sglang_dflash")
@@ -37,6 +37,7 @@ _TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnB
 _PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 _FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 _SCHEDULER_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_model_worker"
+_DUMMY_WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 
 
 def selected_worker() -> str:
@@ -46,6 +47,9 @@ def selected_worker() -> str:
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    # before the worker choice: a run's plain, builtin and our servers must all hold the same random target
+    if settings().dummy_weights == "model":
+        HookRegistry.register(_DUMMY_WEIGHTS, _model_like_dummy_weights, HookType.AROUND)
     for flag in _OLD_FLAGS:
         if flag in os.environ:
             logger.info("sglang-dflash: %s=%s is accepted and ignored: SGLang 0.5.17 always uses the V2 "
@@ -124,6 +128,20 @@ def _create_worker(original, self, server_args):
     logger.info("sglang-dflash: DFLASH runs sglang_dflash.serving.worker.DFlashWorker (set %s=builtin for "
                 "SGLang's builtin worker)", WORKER_ENV)
     return DFlashWorker
+
+
+def _model_like_dummy_weights(original, model, *args, **kwargs):
+    """SGLANG_DFLASH_DUMMY_WEIGHTS=model: SGLang's dummy weights, then re-drawn like a trained model's
+    (targets/random_weights.py), seeded per tensor-parallel rank and tensor name."""
+    out = original(model, *args, **kwargs)
+    from sglang.srt.runtime_context import get_parallel
+
+    from ..targets.random_weights import model_like_init
+
+    counts = model_like_init(model, seed=0, rank=get_parallel().tp_rank)
+    logger.info("sglang-dflash: %s: dummy weights re-drawn like a trained model's (%s=model): %s",
+                type(model).__name__, DUMMY_WEIGHTS_ENV, counts)
+    return out
 
 
 def _scheduler_init_model_worker(original, self, *args, **kwargs):

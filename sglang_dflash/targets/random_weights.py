@@ -1,0 +1,101 @@
+"""Random weights that behave like a model: the re-initialisation behind every exact-shape cost run (issue #44).
+
+SGLang's `--load-format dummy` fills every floating tensor with uniform(-1e-3, 1e-3) drawn from one seed per
+tensor *size*: every norm weight is ~0, every layer of a kind holds the same numbers, and the model's greedy output
+is a loop of one or two tokens (or token 0 everywhere) whatever the prompt. Equality checks on such outputs can
+barely fail, and a verify block of identical tokens routes to a handful of experts, so MoE step costs come out too
+low. `model_like_init` rewrites those tensors as a trained model's are scaled, so that greedy outputs depend on the
+context, differ across prompts and spread MoE routing:
+
+- norm weights, `layer_scalar`, per-expert and router scales: 1;
+- matrices (linear layers, fused experts, routers, convolutions): N(0, 1 / fan_in), fan_in = the last dimension,
+  so every layer keeps its input's scale;
+- the token embedding: N(0, 1), or N(0, 1 / hidden) where the model multiplies it by sqrt(hidden) (Gemma), so its
+  rows reach the first layer at unit scale either way;
+- an untied lm_head: N(0, (LOGIT_STD / sqrt(hidden))^2): logits of standard deviation LOGIT_STD after the final norm;
+- biases N(0, 0.02^2); attention sinks N(0, 1); anything else (e.g. a linear-attention layer's A_log) stays as
+  SGLang made it.
+
+Each tensor is drawn from its own generator seeded by (seed, tensor-parallel rank, tensor name), so a server
+started twice with the same flags holds the same weights, and the plain and the speculative server of one run
+serve the same target. Torch only: the SGLang hook that calls it lives in serving/plugin.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+LOGIT_STD = 4.0  # spread of an untied head's logits: top-2 gaps well above bf16 rounding on most steps
+BIAS_STD = 0.02
+_ONES = "ones"
+
+
+def _tensor_seed(seed: int, rank: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{rank}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def init_rule(name: str, shape: tuple[int, ...], embed_std: float, hidden: int) -> str | float | None:
+    """How one tensor is re-drawn: "ones", a normal's standard deviation, or None (left as it is)."""
+    leaf = name.rsplit(".", 1)[-1]
+    parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if leaf in ("layer_scalar", "scale", "per_expert_scale"):
+        return _ONES
+    if leaf == "sinks":
+        return 1.0
+    if "bias" in leaf:  # linear biases and fused experts' [E, out] biases; dt_bias of linear attention
+        return BIAS_STD
+    if len(shape) == 1:
+        return _ONES if "norm" in parent or "norm" in leaf else None
+    if "embed_tokens" in name or parent in ("wte", "embed", "embeddings"):
+        return embed_std
+    if parent == "lm_head":
+        return LOGIT_STD / hidden ** 0.5
+    return shape[-1] ** -0.5 if len(shape) >= 2 else None
+
+
+def model_like_init(model: torch.nn.Module, seed: int = 0, rank: int = 0) -> dict[str, int]:
+    """Re-draw `model`'s floating tensors (parameters and persistent buffers) in place; returns how many tensors
+    each rule touched. A tensor shared under two names (a tied head) is drawn once, by its first name."""
+    hidden = _hidden_size(model)
+    # Gemma multiplies the embedding by sqrt(hidden) in its forward: its rows are drawn that much smaller
+    embed_std = hidden ** -0.5 if "gemma" in type(model).__name__.lower() else 1.0
+    counts = {"ones": 0, "normal": 0, "kept": 0}
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if not torch.is_floating_point(tensor) or tensor.numel() == 0:
+                continue
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            rule = init_rule(name, tuple(tensor.shape), embed_std, hidden)
+            if rule is None:
+                counts["kept"] += 1
+            elif rule == _ONES:
+                tensor.fill_(1.0)
+                counts["ones"] += 1
+            else:
+                gen = torch.Generator(device=tensor.device)
+                gen.manual_seed(_tensor_seed(seed, rank, name))
+                # drawn in float32 (normal_ has no fp8 kernel), then cast into the tensor's own dtype
+                draw = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device).normal_(
+                    0.0, float(rule), generator=gen)
+                tensor.copy_(draw)
+                counts["normal"] += 1
+    return counts
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    hidden = getattr(config, "hidden_size", None)
+    if hidden:
+        return int(hidden)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None and getattr(embed, "weight", None) is not None:
+        return int(embed.weight.shape[-1])
+    raise ValueError(f"{type(model).__name__}: no config.hidden_size and no input embedding to read the hidden size "
+                     "from; model_like_init needs it to scale the embedding and the head")
