@@ -30,17 +30,28 @@ from .bench import csv_ints
 
 ATOL = 2e-2               # bf16 inputs, fp32 accumulation
 BLOCK = 16                # verify width B
-# name: (query heads, KV heads, head dim, sliding window (keys a query may look back) or None)
+# name: (query heads, KV heads, head dim, sliding window (keys a query may look back) or None, attention sinks)
 SHAPES = {
-    "qwen3-8b": (32, 8, 128, None),
-    "gemma4-sliding": (16, 8, 256, 1023),      # Gemma-4-26B-A4B sliding layers (window 1024)
-    "gemma4-global": (16, 2, 512, None),       # its global layers
+    "qwen3-8b": (32, 8, 128, None, False),
+    "gemma4-sliding": (16, 8, 256, 1023, False),   # Gemma-4-26B-A4B sliding layers (window 1024)
+    "gemma4-global": (16, 2, 512, None, False),    # its global layers
+    # gpt-oss-20b: every layer has sinks (one bf16 logit per query head); layers alternate window 128 (SGLang's
+    # sliding_window_size = window - 1) and full attention. Sink layers ran SGLang's extend kernel until issue #44.
+    "gptoss-sliding": (64, 8, 64, 127, True),
+    "gptoss-full": (64, 8, 64, None, True),
 }
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (512, 2048, 8192, 32768)
 SWEEP_CONTEXTS = (256, 1024, 4096)            # --sweep: the serving benchmarks' short contexts up to a long one
 MAX_POOL_TOKENS = 64 * 8192 * 2               # skip (bs, ctx) pairs past this many cached tokens (memory, time)
 REFERENCE_MAX_TOKENS = 8 * 8192               # the torch reference is checked up to this many cached tokens
+
+
+def make_sinks(hq: int, device="cuda", seed=1):
+    """Per-head sink logits as gpt-oss's triton path holds them (bf16), of the order of the scores (N(0, 1) here), so
+    ``--check`` sees them matter."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(hq, device=device, generator=gen) * 2 + 1).to(torch.bfloat16)
 
 
 def make_verify_inputs(bs: int, ctx: int, hq: int, hkv: int, d: int, window, device="cuda", seed=0, width=BLOCK):
@@ -72,28 +83,29 @@ def run_case(name, bs, ctx, check: bool):
     from sglang_dflash.kernels.reference import verify_attention_reference
     from sglang_dflash.kernels.verify_attention import verify_attention
 
-    hq, hkv, d, window = SHAPES[name]
+    hq, hkv, d, window, has_sinks = SHAPES[name]
     t = make_verify_inputs(bs, ctx, hq, hkv, d, window)
+    sinks = make_sinks(hq) if has_sinks else None
     sm_scale = d ** -0.5
     window_left = window if window is not None else -1
     ours_out = torch.empty_like(t["q"])
     sgl_out = torch.empty_like(t["q"])
 
     def ours():
-        verify_attention(**t, max_q_len=BLOCK, sm_scale=sm_scale, window_left=window_left, out=ours_out)
+        verify_attention(**t, max_q_len=BLOCK, sm_scale=sm_scale, window_left=window_left, out=ours_out, sinks=sinks)
 
     def sglang():
         extend_attention_fwd(t["q"], t["k_extend"], t["v_extend"], sgl_out, t["k_buffer"], t["v_buffer"],
                              t["qo_indptr"], t["kv_indptr"], t["kv_indices"], None, True, None, BLOCK, 1.0, 1.0,
-                             sm_scale, sliding_window_size=window_left)
+                             sm_scale, sliding_window_size=window_left, sinks=sinks)
 
     ours(), sglang()
     torch.cuda.synchronize()
-    row = dict(shape=name, bs=bs, ctx=ctx, hq=hq, hkv=hkv, head_dim=d, window=window)
+    row = dict(shape=name, bs=bs, ctx=ctx, hq=hq, hkv=hkv, head_dim=d, window=window, sinks=has_sinks)
     if check:
         row["err_vs_sglang"] = (ours_out.float() - sgl_out.float()).abs().max().item()
         if bs * ctx <= REFERENCE_MAX_TOKENS:
-            ref = verify_attention_reference(**t, sm_scale=sm_scale, window_left=window_left)
+            ref = verify_attention_reference(**t, sm_scale=sm_scale, window_left=window_left, sinks=sinks)
             row["err_vs_reference"] = (ours_out.float() - ref.float()).abs().max().item()
     row["ours_us"] = 1e3 * triton.testing.do_bench_cudagraph(ours, rep=50)
     row["sglang_us"] = 1e3 * triton.testing.do_bench_cudagraph(sglang, rep=50)
@@ -117,7 +129,7 @@ def sweep_tiles(width: int, group: int, d: int):
 SWEEP_SPLITS = [dict(max_splits=1)] + [dict(max_splits=s, split_min=m) for s in (2, 4, 8, 16, 32) for m in (64, 256)]
 
 
-def _sglang_decode(t, hq: int, hkv: int, sm_scale: float, out):
+def _sglang_decode(t, hq: int, hkv: int, sm_scale: float, out, sinks=None):
     """SGLang's triton decode attention as a plain decode step runs it (its split count rule, 8 splits at most)."""
     import triton
 
@@ -136,7 +148,7 @@ def _sglang_decode(t, hq: int, hkv: int, sm_scale: float, out):
 
     def run():
         decode_attention_fwd(t["q"], t["k_buffer"], t["v_buffer"], out, t["kv_indptr"], t["kv_indices"], logits,
-                             lse, num_splits, max_splits, sm_scale, 1.0, 1.0)
+                             lse, num_splits, max_splits, sm_scale, 1.0, 1.0, sinks=sinks)
     return run
 
 
@@ -149,8 +161,9 @@ def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = Fa
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang_dflash.kernels.verify_attention import verify_attention
 
-    hq, hkv, d, window = SHAPES[name]
+    hq, hkv, d, window, has_sinks = SHAPES[name]
     t = make_verify_inputs(bs, ctx, hq, hkv, d, window, width=width)
+    sinks = make_sinks(hq) if has_sinks else None
     sm_scale = d ** -0.5
     window_left = window if window is not None else -1
     ref_out = torch.empty_like(t["q"])
@@ -158,7 +171,7 @@ def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = Fa
 
     def ours(dst, **kw):
         return lambda: verify_attention(**t, max_q_len=width, sm_scale=sm_scale, window_left=window_left, out=dst,
-                                        **kw)
+                                        sinks=sinks, **kw)
 
     def timed(fn):
         fn()
@@ -191,12 +204,12 @@ def sweep_case(name: str, bs: int, ctx: int, width: int, compile_only: bool = Fa
                       default=dict(default=True, us=row["default_us"]))
     sgl_out = torch.empty_like(t["q"])
     if width == 1:
-        row["sglang_decode_us"] = timed(_sglang_decode(t, hq, hkv, sm_scale, sgl_out))
+        row["sglang_decode_us"] = timed(_sglang_decode(t, hq, hkv, sm_scale, sgl_out, sinks))
     else:
         row["sglang_extend_us"] = timed(lambda: extend_attention_fwd(
             t["q"], t["k_extend"], t["v_extend"], sgl_out, t["k_buffer"], t["v_buffer"], t["qo_indptr"],
             t["kv_indptr"], t["kv_indices"], None, True, None, width, 1.0, 1.0, sm_scale,
-            sliding_window_size=window_left))
+            sliding_window_size=window_left, sinks=sinks))
         # the same function: our default's output against SGLang's (the decode kernel at W = 1 is not: in a plain
         # step the token's own K/V is in the pool, here it comes separately)
         row["err_vs_sglang"] = (ref_out.float() - sgl_out.float()).abs().max().item()

@@ -8,6 +8,11 @@ Tree mode (``tree_parents`` given, issue #38): the block is a draft tree instead
 [N] holds, for each block token, its parent's index inside its own request's block (-1 for the root, and
 parents[i] < i). Block token i then sits at position P + depth(i) and attends to the whole prefix plus its
 ancestors and itself (``causal`` is ignored: the tree mask replaces it); a window counts in those positions.
+
+Attention sinks (``sinks`` [Hq], gpt-oss): one extra logit per query head, in the scores' natural-log units (after
+the scale and softcap; not capped itself, outside every mask and window), that joins each row's softmax and has no
+value row: it only takes probability mass away from the keys. This is SGLang 0.5.17's definition in its triton
+extend and decode kernels (exp(sink) joins the denominator once the keys are summed), which ours must match.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ def tree_block_mask(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def verify_attention_reference(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
                                sm_scale: float, causal: bool = True, window_left: int = -1, logit_cap: float = 0.0,
                                k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
-                               tree_parents: torch.Tensor | None = None, **_launch_only) -> torch.Tensor:
+                               tree_parents: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                               **_launch_only) -> torch.Tensor:
     """Reference of ``verify_attention`` (launch-only keywords such as ``max_q_len`` / ``max_splits`` are ignored)."""
     n_tok, hq, _ = q.shape
     hkv, dv = k_extend.shape[1], v_extend.shape[-1]
@@ -73,6 +79,10 @@ def verify_attention_reference(q, k_extend, v_extend, k_buffer, v_buffer, qo_ind
         if window_left is not None and window_left >= 0:
             allowed &= (q_pos - k_pos) <= window_left
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:       # the sink's logit as one more column of every row's softmax, then dropped
+            sink_col = sinks.to(scores).view(hq, 1, 1).expand(hq, n_q, 1)
+            probs = torch.softmax(torch.cat([scores, sink_col], -1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, vals).to(out.dtype)
     return out

@@ -13,6 +13,8 @@ width B, which may differ between requests) and prefix slots ``kv_indices[kv_ind
     allowed  = (causal is False or pos(j) <= P_b + i)  and  (window_left < 0 or (P_b + i) - pos(j) <= window_left)
     out_i    = sum_j softmax_j(s_ij over allowed j) * vscale_j * V_j
     (kscale_j, vscale_j = k_scale, v_scale for pool keys (an fp8 pool's per-layer scales), 1 for the block's keys)
+    with sinks (gpt-oss: ``sinks`` [Hq], one logit per query head, natural-log units like s_ij, never capped or
+    masked, no value row): out_i = sum_j exp(s_ij) vscale_j V_j / (sum_j exp(s_ij) + exp(sinks[h]))
 
 This is exactly what SGLang 0.5.17's triton ``extend_attention_fwd`` computes for a TARGET_VERIFY batch without a
 custom mask (the current block's K/V come in as the separate ``k_extend`` / ``v_extend`` tensors; SGLang has also
@@ -35,6 +37,10 @@ contexts at small batch use few SMs. Here:
   launch grid depends only on shapes and ``max_q_len``. A request left with one split writes its output directly
   and the combine skips it: the fp32 partials cost as much memory traffic as the K/V reads at short contexts.
 * softmax runs in base 2 (``exp2``, scores pre-multiplied by log2(e)); LSEs are base-2 throughout.
+* a sink (``sinks``) is one more term of the denominator, added where the denominator is final: in the split kernel
+  when it writes a request's output directly (one split), else in the combine, once; a split's partial (o_s, lse_s)
+  never holds it, or a request with n splits would count it n times. Both places rescale to max(m, sink), so a
+  sink far above every score (the head attends to nothing: output ~0) or far below (no effect) stays finite.
 
 Tree mode (``tree_parents`` [N], issue #38): the block is a draft tree; each block token's parent index inside its
 request's block (-1 for the root, parents[i] < i). Block token i sits at position P_b + depth(i) and its allowed
@@ -107,9 +113,25 @@ def _online_softmax_step(s, v, v_scale, m_i, l_i, acc, dtype: tl.constexpr):
 
 
 @triton.jit
+def _normalised(acc, m_i, l_i, Sinks, head, HAS_SINK: tl.constexpr):
+    """The final output acc / denominator of a row whose keys are all folded in (running max m_i, sum l_i, base 2).
+
+    With a sink its 2^sink joins the denominator; both terms are taken relative to max(m_i, sink): 2^(sink - m_i)
+    alone turns inf for a sink far above the row's scores, and every term stays finite this way. A row without
+    keys (l_i == 0: masked rows only) yields 0."""
+    if HAS_SINK:
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634        # log2(e): base-2 like m_i
+        m_all = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_all)                                        # 0 when m_i = -inf
+        den = l_i * alpha + tl.math.exp2(sink - m_all)
+        return acc * (alpha / den)[:, None]
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _verify_split_kernel(
     Q, K_ext, V_ext, K_buf, V_buf, Out, Part_o, Part_lse,
-    qo_indptr, kv_indptr, kv_indices, Tree_bits, Tree_depth,
+    qo_indptr, kv_indptr, kv_indices, Tree_bits, Tree_depth, Sinks,
     scale_prefix,             # sm_scale * k_scale: pool keys may be fp8 with a per-layer scale
     scale_block,              # sm_scale: the block's keys come unquantised
     logit_cap, v_scale, window_left,
@@ -121,6 +143,7 @@ def _verify_split_kernel(
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_CAP: tl.constexpr,
     MAX_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, M_BLOCKS: tl.constexpr, IS_TREE: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """One program: request ``program_id(0)``, (KV head, m-block) ``program_id(1)``, split ``program_id(2)``."""
     req = tl.program_id(0)
@@ -205,16 +228,20 @@ def _verify_split_kernel(
                     mask=bt_ok[:, None] & dv_ok[None, :], other=0.0)
         m_i, l_i, acc = _online_softmax_step(tl.where(ok, s, float("-inf")), v, 1.0, m_i, l_i, acc, q.dtype)
 
-    # A split whose keys all fall outside the window has l_i == 0: it stores o = 0, lse = -inf (weight 0).
-    has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     tok_row = q_start + tok
     out_ptrs = Out + tok_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+    # A request with one split has its whole denominator here: its output (and the sink) is final.
     if MAX_SPLITS == 1:
+        o = _normalised(acc, m_i, l_i, Sinks, head, HAS_SINK)
         tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     elif n_splits == 1:         # nothing to merge: the combine skips this request
+        o = _normalised(acc, m_i, l_i, Sinks, head, HAS_SINK)
         tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     else:
+        # A partial without the sink (the combine adds it once). A split whose keys all fall outside the window has
+        # l_i == 0: it stores o = 0, lse = -inf (weight 0).
+        has_keys = l_i > 0.0
+        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(Part_o + tok_row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
                  + offs_dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
@@ -223,9 +250,10 @@ def _verify_split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    Out, Part_o, Part_lse, qo_indptr, kv_indptr, window_left,
+    Out, Part_o, Part_lse, qo_indptr, kv_indptr, Sinks, window_left,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """One program per (request, block token, query head): merge the splits' partial softmaxes."""
     req = tl.program_id(0)
@@ -244,11 +272,18 @@ def _combine_kernel(
     s_ok = offs_s < n_splits
     lse = tl.load(Part_lse + row * stride_lt + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)                       # finite: the last split holds the query's own key
-    w = tl.math.exp2(lse - m)
+    if HAS_SINK:                             # the sink's one term of the denominator (the partials hold none)
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634        # log2(e): base 2 like the LSEs
+        m = tl.maximum(m, sink)
+        w = tl.math.exp2(lse - m)
+        den = tl.sum(w, 0) + tl.math.exp2(sink - m)
+    else:
+        w = tl.math.exp2(lse - m)
+        den = tl.sum(w, 0)
     offs_dv = tl.arange(0, BLOCK_DV)
     o = tl.load(Part_o + row * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :],
                 mask=s_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / den
     tl.store(Out + row * stride_ot + head * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)
 
 
@@ -330,7 +365,8 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
                      out: torch.Tensor | None = None, max_splits: int | None = None,
                      split_min: int | None = None, tile: tuple | None = None,
                      tree_parents: torch.Tensor | None = None,
-                     tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each request's block tokens over its paged prefix + its block (see the module docstring).
 
     ``max_q_len``: an upper bound on the per-request query count (SGLang's ``max_extend_len``), <= 32.
@@ -342,6 +378,7 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
     depth [N]), computed once by a caller that runs many layers over one tree: building it from the parents is
     ~8 small launches per tree level, per call (a 30-layer eager verify of a 16-node tree launched 7,000 kernels
     per step that way on an H100, benchmarks/results/tree-smollm2-h100).
+    ``sinks``: [Hq] attention-sink logits (any float dtype, read as fp32), one per query head, or None.
     """
     n_tok, hq, dk = q.shape
     hkv, dv = k_extend.shape[1], v_extend.shape[-1]
@@ -360,6 +397,9 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
         raise ValueError(f"KV pool shapes {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} do not match "
                          f"k_extend {tuple(k_extend.shape)} / v_extend {tuple(v_extend.shape)}. Fix: pass this "
                          "layer's buffers")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)}: expected one logit per query head, [{hq}]. Fix: pass "
+                         "the layer's sinks for this rank's query heads")
     group = hq // hkv
     page_k, kpage, ktok, kh = _pool_layout(k_buffer, "k_buffer")
     page_v, vpage, vtok, vh = _pool_layout(v_buffer, "v_buffer")
@@ -391,10 +431,12 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
         tree_bits, tree_depth = tree_ancestor_bits(tree_parents, qo_indptr, max_q_len)
     else:                       # never read (IS_TREE is off): any tensor serves as the pointer
         tree_bits = tree_depth = qo_indptr
+    has_sink = sinks is not None
+    sink_ptr = sinks.contiguous() if has_sink else qo_indptr    # never read without HAS_SINK
     grid = (bs, hkv * m_blocks, max_splits)
     _verify_split_kernel[grid](
         q, k_extend, v_extend, k_buffer, v_buffer, out, part_o, part_lse,
-        qo_indptr, kv_indptr, kv_indices, tree_bits, tree_depth,
+        qo_indptr, kv_indptr, kv_indices, tree_bits, tree_depth, sink_ptr,
         float(sm_scale * k_scale), float(sm_scale), float(logit_cap) if use_cap else 1.0, float(v_scale), window,
         q.stride(0), q.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
         kpage, ktok, kh, vpage, vtok, vh,
@@ -406,15 +448,15 @@ def verify_attention(q, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_in
         BLOCK_DK=max(MIN_TILE, triton.next_power_of_2(dk)), BLOCK_DV=max(MIN_TILE, triton.next_power_of_2(dv)),
         PAGE_SIZE=page_k, IS_CAUSAL=bool(causal), USE_CAP=use_cap,
         MAX_SPLITS=max_splits, SPLIT_MIN=split_min, M_BLOCKS=m_blocks,
-        IS_TREE=tree_parents is not None or tree_mask is not None,
+        IS_TREE=tree_parents is not None or tree_mask is not None, HAS_SINK=has_sink,
         num_warps=num_warps, num_stages=num_stages,
     )
     if max_splits > 1:
         _combine_kernel[(bs, max_q_len, hq)](
-            out, part_o, part_lse, qo_indptr, kv_indptr, window,
+            out, part_o, part_lse, qo_indptr, kv_indptr, sink_ptr, window,
             out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             DV=dv, BLOCK_DV=triton.next_power_of_2(dv), MAX_SPLITS=max_splits, SPLIT_MIN=split_min,
-            num_warps=4 if dv <= 256 else 8,
+            HAS_SINK=has_sink, num_warps=4 if dv <= 256 else 8,
         )
     return out

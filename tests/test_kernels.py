@@ -6,9 +6,11 @@
 * ``test_interpreted_kernel_matches_reference``: the Triton kernel under ``TRITON_INTERPRET=1`` on CPU, in a
   subprocess (the variable must be set before triton is first imported, which another test may already have done
   in this process), over head dims, GQA, 0-length prefixes, B = 1 and 16, ragged widths, page size 1 and 16,
-  sliding windows, softcap, non-causal blocks, split-K on and off.
+  sliding windows, softcap, non-causal blocks, split-K on and off, attention sinks (gpt-oss: one extra logit per
+  head in the denominator) on the single-split, direct-write and combined-split paths.
 * ``test_gpu_kernel_matches_reference`` / ``..._sglang``: on CUDA only, the shapes that matter (head dims 64-512,
-  GQA 1-8, contexts 1-32k, page 1 and 16) against the reference and against SGLang's own extend kernel.
+  GQA 1-8, contexts 1-32k, page 1 and 16, gpt-oss's sinks with and without its window) against the reference and
+  against SGLang's own extend kernel.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Case:
     max_splits: int = 2
     split_min: int = 16
     tree: bool = False  # blocks are random draft trees (tree_parents), not chains
+    sinks: bool = False  # per-head attention sinks (``sink_values``)
 
     @property
     def head_dim_v(self) -> int:
@@ -84,7 +87,20 @@ def make_inputs(case: Case, device="cpu", dtype=torch.float32, seed=0):
         kwargs["tree_parents"] = torch.cat([
             torch.tensor([-1] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, w)]) for w in case.widths
         ]).to(device)
+    if case.sinks:  # drawn last: the other cases' tensors stay what they were
+        kwargs["sinks"] = sink_values(hq, gen).to(dtype).to(device)
     return tensors, logical, kwargs
+
+
+def sink_values(hq: int, gen: torch.Generator) -> torch.Tensor:
+    """Per-head sink logits: most near the scores' own range (scores here are ~N(0, 1) over tens of keys, so a sink
+    of 2-6 takes a visible but partial share), one far above every score (the head attends to almost nothing:
+    output ~0, and 2^(sink - max) unguarded would be ~2^70) and one far below (no effect)."""
+    sinks = torch.randn(hq, generator=gen) * 2 + 3
+    sinks[0] = 50.0
+    if hq > 2:
+        sinks[hq // 2] = -50.0
+    return sinks
 
 
 def tree_walk(parents: list[int]) -> tuple[list[set], list[int]]:
@@ -100,9 +116,10 @@ def tree_walk(parents: list[int]) -> tuple[list[set], list[int]]:
     return anc, depth
 
 
-def naive_dense_attention(tensors, logical, case: Case, sm_scale, tree_parents=None):
+def naive_dense_attention(tensors, logical, case: Case, sm_scale, tree_parents=None, sinks=None):
     """One float64 softmax over [all queries x all keys of the batch], masked to (own request, causal or tree,
-    window)."""
+    window). Sinks as a factor on it, not as a softmax column (the reference's way): sum_j e^s_j / (sum_j e^s_j +
+    e^sink) = sigmoid(logsumexp(s) - sink)."""
     keys, vals, key_req, key_pos, key_node = [], [], [], [], []
     q_pos, q_tree = [], []
     qo = tensors["qo_indptr"].tolist()
@@ -134,7 +151,11 @@ def naive_dense_attention(tensors, logical, case: Case, sm_scale, tree_parents=N
     if case.logit_cap > 0:
         s = case.logit_cap * torch.tanh(s / case.logit_cap)
     s = s.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    out = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    if sinks is not None:
+        keep = torch.sigmoid(s.logsumexp(-1) - sinks.double()[:, None])     # [Hq, N]: the keys' share of the mass
+        out = out * keep.T[:, :, None]
+    return out
 
 
 # Small enough for Triton's interpreter (seconds in all), wide enough to reach every branch of the kernel.
@@ -152,6 +173,20 @@ INTERPRETER_CASES = [
     Case("d64_tree_ragged", prefixes=(20, 0, 45), widths=(7, 1, 16), group=2, max_splits=2, tree=True),
     Case("d64_tree_B32_window_page16", prefixes=(40, 9), widths=(32, 11), page=16, window_left=5, max_splits=4,
          tree=True),
+    # attention sinks (gpt-oss): MAX_SPLITS == 1 (the output written in the split kernel) ...
+    Case("d64_g4_sinks_one_split", prefixes=(5, 40), widths=(4, 16), group=4, max_splits=1, sinks=True),
+    # ... split launches: 4, 3 and 1 split (the last written directly, the others through the combine)
+    Case("d64_sinks_splits", prefixes=(70, 33, 3), widths=(4, 16, 1), max_splits=4, sinks=True),
+    # the gpt-oss k = 0 step: width 1, GQA 8, split and unsplit requests
+    Case("d64_g8_B1_sinks", prefixes=(0, 37, 200), widths=(1, 1, 1), group=8, kv_heads=1, max_splits=4, sinks=True),
+    # sliding window: one request's window in 3 splits, one's prefix shorter than its window (1 split)
+    Case("d128_sinks_window_splits_page16", prefixes=(100, 9), widths=(16, 5), dk=128, page=16, window_left=40,
+         max_splits=4, sinks=True),
+    Case("d64_g8_sinks_window_one_split", prefixes=(60, 130), widths=(8, 16), group=8, kv_heads=1, window_left=31,
+         max_splits=1, sinks=True),
+    Case("d64_sinks_softcap_noncausal", prefixes=(30, 0), widths=(8, 8), logit_cap=5.0, causal=False, sinks=True),
+    Case("d64_tree_sinks_window", prefixes=(20, 45), widths=(7, 16), window_left=9, max_splits=2, tree=True,
+         sinks=True),
 ]
 
 
@@ -174,8 +209,25 @@ def _run_interpreter_cases() -> dict:
 def test_reference_matches_naive_dense(case):
     tensors, logical, kwargs = make_inputs(case, dtype=torch.float64)
     got = verify_attention_reference(**tensors, **kwargs)
-    want = naive_dense_attention(tensors, logical, case, kwargs["sm_scale"], kwargs.get("tree_parents"))
+    want = naive_dense_attention(tensors, logical, case, kwargs["sm_scale"], kwargs.get("tree_parents"),
+                                 kwargs.get("sinks"))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_sinks_take_mass_from_the_keys_and_nothing_else():
+    """A sink of -inf is no sink; a finite one scales each row of the sink-free output by the keys' share of the
+    mass (no value row, no change to the keys' relative weights); the far-above head's output is ~0."""
+    case = Case("sinks", prefixes=(12, 30), widths=(8, 16), group=4, window_left=6, sinks=True)
+    tensors, _, kwargs = make_inputs(case, dtype=torch.float64)
+    sinks = kwargs.pop("sinks")
+    plain = verify_attention_reference(**tensors, **kwargs)
+    torch.testing.assert_close(verify_attention_reference(**tensors, **kwargs, sinks=torch.full_like(sinks, -torch.inf)),
+                               plain)
+    with_sinks = verify_attention_reference(**tensors, **kwargs, sinks=sinks)
+    ratio = with_sinks / plain                                           # [N, Hq, Dv]: one factor per (row, head)
+    torch.testing.assert_close(ratio, ratio[:, :, :1].expand_as(ratio))
+    assert (ratio > 0).all() and (ratio <= 1).all()                      # <= : 1 - e^-53 rounds to 1
+    assert with_sinks[:, 0].abs().max() < 1e-15                          # sink 50 above scores ~N(0, 1)
 
 
 def test_tree_mode_of_a_chain_is_the_causal_block_and_a_tree_is_not():
@@ -302,7 +354,7 @@ def test_dispatch_maps_sglang_arguments_onto_ours(monkeypatch):
     torch.testing.assert_close(out, verify_attention_reference(**tensors, **kwargs))
 
 
-@pytest.mark.parametrize("extra", [dict(custom_mask=True), dict(sinks=torch.zeros(4)), dict(xai_temperature_len=8),
+@pytest.mark.parametrize("extra", [dict(custom_mask=True), dict(xai_temperature_len=8),
                                    dict(skip_prefix=True), dict(max_len=40)], ids=lambda e: next(iter(e)))
 def test_dispatch_leaves_what_it_cannot_serve_to_sglang(monkeypatch, extra):
     import sglang_dflash.kernels.verify_attention as va
@@ -317,6 +369,23 @@ def test_dispatch_leaves_what_it_cannot_serve_to_sglang(monkeypatch, extra):
     calls = []
     extend_compatible_verify(lambda *a, **k: calls.append(1), *args, **extra)
     assert calls == [1]
+
+
+def test_dispatch_passes_sinks_to_our_kernel(monkeypatch):
+    """A layer with attention sinks (gpt-oss) runs our kernel, sinks included, on a window layer and a full one."""
+    import sglang_dflash.kernels.verify_attention as va
+    from sglang_dflash.serving.verify_kernel import extend_compatible_verify
+
+    for window in (-1, 5):
+        case = Case("sinks_map", prefixes=(9, 4), widths=(5, 5), window_left=window, sinks=True)
+        tensors, _, kwargs = make_inputs(case)
+        monkeypatch.setattr(va, "verify_attention", verify_attention_reference)   # same contract, runs on CPU
+        args, out = _extend_args(case, tensors)
+        extend_compatible_verify(pytest.fail, *args, sm_scale=kwargs["sm_scale"], sliding_window_size=window,
+                                 sinks=kwargs["sinks"], page_size=1)
+        torch.testing.assert_close(out, verify_attention_reference(**tensors, **kwargs))
+        no_sinks = {k: v for k, v in kwargs.items() if k != "sinks"}
+        assert not torch.allclose(out, verify_attention_reference(**tensors, **no_sinks))
 
 
 def _tree_verify(parents: torch.Tensor, width: int):
@@ -428,6 +497,16 @@ def gpu_cases():
                       tree=True, max_splits=None, split_min=256))
     cases.append(Case("d64_tree32_ctx4000", prefixes=(4000,), widths=(32,), dk=64, kv_heads=8, group=1, tree=True,
                       max_splits=None, split_min=256))
+    # attention sinks on the gpt-oss-20b shape (64 / 8 heads of dim 64; window 128 = window_left 127 on half the
+    # layers): verify widths 16 and 1 (a plain step), one request (many splits) and four (fewer), short and long
+    for window in (-1, 127):
+        for ctx, width in ((1, 16), (1000, 16), (32768, 16), (4000, 1), (32768, 1)):
+            bs = 1 if ctx > 8192 else 4
+            cases.append(Case(f"gptoss_sinks_w{window}_ctx{ctx}_B{width}", prefixes=(ctx,) * bs, widths=(width,) * bs,
+                              dk=64, kv_heads=8, group=8, window_left=window, sinks=True, max_splits=None,
+                              split_min=256))
+    cases.append(Case("gptoss_sinks_tree_window_ragged", prefixes=(5000, 17, 300), widths=(16, 8, 16), dk=64,
+                      kv_heads=8, group=8, window_left=127, tree=True, sinks=True, max_splits=None, split_min=256))
     return cases
 
 
@@ -446,7 +525,8 @@ def test_gpu_kernel_matches_reference(case):
 @pytest.mark.parametrize("case", [c for c in gpu_cases() if c.page == 1 and c.logit_cap == 0 and not c.tree],
                          ids=lambda c: c.name)
 def test_gpu_kernel_matches_sglang(case):
-    """Same inputs through SGLang's triton extend kernel: the function we replace, called as its backend calls it."""
+    """Same inputs through SGLang's triton extend kernel: the function we replace, called as its backend calls it
+    (sinks included: its definition of them is the one ours must match)."""
     extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
     from sglang_dflash.kernels.verify_attention import verify_attention
 
@@ -457,7 +537,7 @@ def test_gpu_kernel_matches_sglang(case):
     extend.extend_attention_fwd(t["q"], t["k_extend"], t["v_extend"], want, t["k_buffer"], t["v_buffer"],
                                 t["qo_indptr"], t["kv_indptr"], t["kv_indices"], None, case.causal, None,
                                 max(case.widths), 1.0, 1.0, kwargs["sm_scale"], logit_cap=case.logit_cap,
-                                sliding_window_size=case.window_left)
+                                sliding_window_size=case.window_left, sinks=kwargs.get("sinks"))
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=BF16_ATOL)
 
 
