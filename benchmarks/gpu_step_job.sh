@@ -46,10 +46,17 @@
 #                                                                         -> /tmp/job/tree-e2e-tiny, tree-e2e-smol
 #   dflash2  issue #36 item 4: ours-fixed with the Qwen3-8B-shaped drafter as DFlash and as DFlash2
 #          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
-# PHASES picks and orders them (default cost,fixed,smol,prof); /tmp/job/<phase>.done marks each finished phase,
-# /tmp/job/results.tar.gz holds every result so far (no traces).
+#   floor  issue #44 item 3: the floor of one big shape (FLOOR_SHAPE: gpt-oss-20b, gemma-4-26b-a4b-it, gemma-4-31b-it,
+#          llama3.1-8b-instruct, qwen3-8b), random weights re-drawn like a model's (driver --dummy), one bracketed
+#          run: FLOOR_METHODS (none,ours,ours-fixed,builtin) then none again, greedy, c = 1, 8, 32, 64; while the
+#          rerun is up every output that differs from plain decoding's is judged on it (benchmarks/greedy_judge.py)
+#                                                                                     -> $JOB/floor-<shape>
+#          Two shapes side by side on a two-GPU machine: one job per GPU, each with its own JOB and PORT, e.g.
+#          CUDA_VISIBLE_DEVICES=1 JOB=/tmp/job1 PORT=30001 PHASES=floor FLOOR_SHAPE=... bash benchmarks/gpu_step_job.sh
+# PHASES picks and orders them (default cost,fixed,smol,prof); $JOB/<phase>.done marks each finished phase,
+# $JOB/results.tar.gz holds every result so far (no traces). JOB defaults to /tmp/job, PORT to 30000.
 set -uo pipefail
-JOB=/tmp/job
+JOB=${JOB:-/tmp/job}
 SNAP=$JOB/snap
 mkdir -p "$JOB" && rm -rf "$SNAP" && mkdir -p "$SNAP"
 tar --exclude=./.devstack --exclude=./.stage --exclude=./.carry -cf - . | tar -C "$SNAP" -xf -
@@ -135,6 +142,15 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
     gemma)
       OUT= RUN=$JOB/gemma SHAPE=gemma-4-26b-a4b-it METHODS="${GEMMA_METHODS:-none,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_GEMMA" bash benchmarks/gpu_cost_run.sh ;;
+    floor)
+      shape=${FLOOR_SHAPE:-gpt-oss-20b}
+      case $shape in gpt-oss-*) vocab=200000 ;; gemma-4-*) vocab=262000 ;; llama*) vocab=128000 ;; *) vocab=151000 ;; esac
+      common="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static ${FLOOR_MEM:-0.85}
+ --cuda-graph-max-bs-decode 64 --max-running-requests 64 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode 1 2 4 8 16 32 64"
+      OUT= RUN=$JOB/floor-$shape SHAPE=$shape METHODS="${FLOOR_METHODS:-none,ours,ours-fixed,builtin}" TEMPERATURES=0 \
+        CONCURRENCY=${FLOOR_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common" \
+        DRIVER_ARGS="--bracket --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh ;;
     kbench)
       mkdir -p $JOB/kbench
       python3 -m benchmarks.kernel_bench --sweep --defaults --widths 16,1 --json $JOB/kbench/defaults.json \
@@ -197,7 +213,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
+  done_dirs=$(cd $JOB && ls -d floor-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
     ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
