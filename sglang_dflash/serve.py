@@ -3,6 +3,7 @@
     sglang-dflash serve                      # SmolLM2-135M-Instruct + our shipped drafter on port 30000
     sglang-dflash serve --dry-run            # print the command only
     sglang-dflash serve --target DIR --draft DIR --port 30001 -- --log-level debug
+    sglang-dflash serve --no-speculation     # the same target and settings, plain decoding: the baseline to compare
 
 It is a thin front for the real interface, `python -m sglang.launch_server ... --speculative-algorithm DFLASH`,
 and prints that exact command (with its environment) before running it, so users learn what to type themselves.
@@ -139,26 +140,31 @@ def cpu_env(stub_dir: Path, offline: bool) -> dict[str, str]:
     return env
 
 
-def build_command(target: str | Path, draft: str | Path, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
+def build_command(target: str | Path, draft: str | Path | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                   cpu: bool = True, extra: list[str] = (), python: str = sys.executable,
-                  stub_dir: Path | None = None, offline: bool = False, dry_run: bool = False) -> ServeCommand:
+                  stub_dir: Path | None = None, offline: bool = False, dry_run: bool = False,
+                  speculate: bool = True) -> ServeCommand:
     """The launch_server command for target + DFLASH drafter (no side effects besides reading the drafter config).
-    offline: both models are local directories (sets HF_HUB_OFFLINE on CPU)."""
-    if Path(draft).is_dir() or not dry_run:
-        block = drafter_block_size(draft)
-        block_args, block_note = ["--speculative-num-draft-tokens", str(block)], \
-            f"drafter block size {block} (from {Path(draft) / 'config.json'})"
-    else:  # --dry-run before the drafter exists (e.g. a preset's --dummy DIR): the worker reads it at start-up
-        block_args, block_note = [], f"{draft} does not exist yet: --speculative-num-draft-tokens left out " \
-                                     "(the sglang-dflash worker takes the drafter's block_size)"
+    offline: the models are local directories (sets HF_HUB_OFFLINE on CPU). speculate=False: plain decoding of the
+    same target with the same device flags, no --speculative-* flag (draft unused): the baseline a speedup is
+    measured against."""
     from .testing.server import server_argv
 
-    argv = server_argv(target, port, host, [
-        *(CPU_ARGS if cpu else GPU_ARGS),
-        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft), *block_args,
-        "--speculative-draft-attention-backend", CPU_DRAFT_BACKEND if cpu else GPU_DRAFT_BACKEND, *extra], python)
+    if not speculate:
+        spec_args, notes = [], ["--no-speculation: plain decoding (the target alone), no DFLASH flags"]
+    else:
+        if Path(draft).is_dir() or not dry_run:
+            block = drafter_block_size(draft)
+            block_args, block_note = ["--speculative-num-draft-tokens", str(block)], \
+                f"drafter block size {block} (from {Path(draft) / 'config.json'})"
+        else:  # --dry-run before the drafter exists (e.g. a preset's --dummy DIR): the worker reads it at start-up
+            block_args, block_note = [], f"{draft} does not exist yet: --speculative-num-draft-tokens left out " \
+                                         "(the sglang-dflash worker takes the drafter's block_size)"
+        spec_args = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft), *block_args,
+                     "--speculative-draft-attention-backend", CPU_DRAFT_BACKEND if cpu else GPU_DRAFT_BACKEND]
+        notes = [block_note]
+    argv = server_argv(target, port, host, [*(CPU_ARGS if cpu else GPU_ARGS), *spec_args, *extra], python)
     env = cpu_env(stub_dir or stub_libcuda_dir(build=False), offline) if cpu else {}
-    notes = [block_note]
     if cpu:
         notes.append("CPU engine: float32 (bit-exact against plain decoding), torch_native attention, "
                      "KV pool capped at 8192 tokens")
@@ -182,6 +188,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch sees a GPU, else the CPU engine")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="plain decoding: the same target and settings without the DFLASH flags (--draft is not "
+                        "used), to compare speed and outputs against")
     return p.parse_args(argv), extra
 
 
@@ -190,8 +199,9 @@ def main(argv=None) -> None:
 
     args, extra = parse_args(argv)
     cpu = args.device == "cpu" or (args.device == "auto" and not has_cuda_gpu())
+    speculate = not args.no_speculation
     try:
-        draft = Path(args.draft) if args.draft else default_drafter()
+        draft = (Path(args.draft) if args.draft else default_drafter()) if speculate else None
         if args.target:
             target = args.target
         elif args.dry_run:  # printing must not start a 20 s conversion
@@ -201,9 +211,11 @@ def main(argv=None) -> None:
         else:
             target = prepare_default_target()
         stub = (stub_libcuda_dir() if not args.dry_run else stub_libcuda_dir(build=False)) if cpu else None
-        local = (not args.target or Path(args.target).is_dir()) and draft.is_dir()
+        local = (not args.target or Path(args.target).is_dir()) and (draft is None or draft.is_dir())
         cmd = build_command(target, draft, args.port, args.host, cpu, extra, stub_dir=stub, offline=local,
-                            dry_run=args.dry_run)
+                            dry_run=args.dry_run, speculate=speculate)
+        if args.draft and not speculate:  # kept so an A/B pair of commands differs by this one flag only
+            cmd.notes.append(f"--draft {args.draft} not used: --no-speculation serves the target alone")
     except (ServeError, DFlashConfigError) as e:
         sys.exit(f"sglang-dflash serve: {e}")
     for note in cmd.notes:

@@ -1,8 +1,8 @@
 """`sglang-dflash serve` builds the right launch_server command, runs it as a child, says when it serves, and a
 missing drafter gets our error.
 
-Fast: the printed command (CPU and GPU flavours, block size read from the drafter, `--` pass-through, SGLang's own
-parser accepts it), the `sglang-dflash` subcommands, the drafter-path check, and the child's lifecycle with a stand-in
+Fast: the printed command (CPU and GPU flavours, block size read from the drafter, `--` pass-through,
+`--no-speculation` = the same command less the DFLASH flags, SGLang's own parser accepts them), the `sglang-dflash` subcommands, the drafter-path check, and the child's lifecycle with a stand-in
 server (the ready line only once /health answers; Ctrl-C / SIGTERM stop the child's whole process group; exit status
 passed on). The real server start of the README's serve command is in tests/test_readme.py.
 """
@@ -73,6 +73,22 @@ def test_gpu_command_and_passthrough(tmp_path):
     assert argv[-2:] == ["--log-level", "debug"]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_no_speculation_is_the_same_command_without_dflash(device, tmp_path):
+    """--no-speculation (the baseline to compare against): the speculative command less its --speculative-* flags
+    and nothing else, same environment; --draft is accepted and unused, so an A/B pair differs by the flag alone."""
+    spec_env, spec = dry("--device", device, "--port", "31234", "--", "--log-level", "debug")
+    plain_env, plain = dry("--device", device, "--port", "31234", "--no-speculation", "--", "--log-level", "debug")
+    assert not [a for a in plain if a.startswith("--speculative")], plain
+    i = spec.index("--speculative-algorithm")
+    j = max(k for k, a in enumerate(spec) if a.startswith("--speculative")) + 2
+    assert plain == spec[:i] + spec[j:], (spec, plain)
+    assert plain_env == spec_env
+    _, with_draft = dry("--device", device, "--port", "31234", "--no-speculation", "--draft", str(tmp_path / "nope"),
+                        "--", "--log-level", "debug")
+    assert with_draft == plain
+
+
 def test_block_size_comes_from_the_drafter(tmp_path):
     cfg = json.loads((drafter_path() / "config.json").read_text())
     cfg["block_size"] = 8
@@ -104,6 +120,9 @@ def test_commands_parse_with_sglang():
         ns, unknown = p.parse_known_args(argv)
         assert not unknown, (device, unknown)
         assert ns.speculative_algorithm == "DFLASH" and ns.speculative_num_draft_tokens == 16
+        _, argv = dry("--device", device, "--no-speculation")
+        ns, unknown = p.parse_known_args(argv)
+        assert not unknown and ns.speculative_algorithm is None, (device, unknown)
 
 
 def test_subcommands():
