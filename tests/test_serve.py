@@ -291,3 +291,124 @@ def test_missing_draft_path_gets_our_error_in_sglang(tmp_path):
         f"SGLang read the missing drafter before our check ran: sglang_dflash/serving/plugin.py must register " \
         f"startup.check_draft_path_before_alias AROUND speculative_hook._resolve_speculative_algorithm_alias. {line[0]}"
     assert "DFlashStartupError" in line[0] and str(missing) in line[0] and "Fix" in line[0], line[0]
+
+
+# ------------------------------------------------------------------------ start-up refusals as one line
+LAUNCHER_REFUSAL = """\
+[2026-11-27 13:11:44] Cuda graph is disabled because of using torch native attention backend
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/sglang/srt/plugins/hook_registry.py", line 390, in wrapper
+    return hook(original_fn, *args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/sglang_dflash/config.py", line 296, in validate_against_target
+    raise DFlashConfigError("vocab_size", self.vocab_size, f"the target's vocab_size is {vocab}",
+sglang_dflash.config.DFlashConfigError: drafter config: vocab_size=999: the target's vocab_size is 49152. Fix: use a drafter trained for this target
+"""
+# SGLang's scheduler logs its exception (here a plain ValueError raised in our code, naming the fix), then the
+# launcher, told by SIGQUIT, kills the tree
+SCHEDULER_REFUSAL = """\
+[2026-11-27 13:12:23] Load weight end. elapsed=0.06 s, type=DFlashDraftModel
+[2026-11-27 13:12:23] Scheduler hit an exception: Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 4931, in run_scheduler_process
+    scheduler = Scheduler(
+                ^^^^^^^^^^
+  File "/work/sglang_dflash/adaptive.py", line 55, in parse_widths
+    raise ValueError(f"{name}={text!r}: {bad} outside 0..{top} (a step verifies at most block_size - 1 = {top} "
+ValueError: SGLANG_DFLASH_WIDTHS='0,3,99': [99] outside 0..15; fix: use values in 0..15
+
+[2026-11-27 13:12:23] Received sigquit from a child process. It usually means the child failed.
+"""
+OTHER_ERROR = """\
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 10, in run
+    x = 1 / 0
+ZeroDivisionError: division by zero
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 12, in run
+    raise RuntimeError("no fix here")
+RuntimeError: no fix here
+[2026-11-27 13:12:24] next line
+"""
+INTERRUPTED = """\
+Process Process-1:
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/zmq/sugar/poll.py", line 106, in poll
+    return zmq_poll(self.sockets, timeout=timeout)
+KeyboardInterrupt
+[2026-11-27 13:10:42] INFO:     Shutting down
+"""
+
+
+def _filtered(text: str, stopping: bool = False, idle_at_end: bool = False) -> tuple[str, serve.ServerOutput]:
+    shown = []
+    out = serve.ServerOutput(shown.append, serve.refusal_names(), stopping=lambda: stopping)
+    for line in text.splitlines(keepends=True):
+        out.feed(line)
+    if idle_at_end:
+        out.idle()
+    else:
+        out.finish()
+    return "".join(shown), out
+
+
+def test_refusal_names_are_the_classes():
+    from sglang_dflash.config import DFlashConfigError
+    from sglang_dflash.serving.capture import CaptureUnsupportedError
+    from sglang_dflash.settings import SettingsError
+
+    names = serve.refusal_names()
+    assert {DFlashConfigError.__name__, DFlashStartupError.__name__, CaptureUnsupportedError.__name__,
+            SettingsError.__name__, "UnsupportedSGLangVersion"} <= names
+
+
+def test_a_refusal_traceback_is_dropped_and_its_message_kept():
+    shown, out = _filtered(LAUNCHER_REFUSAL)
+    assert shown == LAUNCHER_REFUSAL.splitlines(keepends=True)[0]  # the log line before it, nothing else
+    assert out.refusal == "drafter config: vocab_size=999: the target's vocab_size is 49152. Fix: use a drafter " \
+                          "trained for this target"
+    shown, out = _filtered(SCHEDULER_REFUSAL)
+    assert "Traceback" not in shown and "File " not in shown and "Scheduler hit an exception" not in shown
+    assert "Load weight end" in shown and shown.rstrip().endswith("It usually means the child failed.")
+    assert out.refusal.startswith("SGLANG_DFLASH_WIDTHS='0,3,99'") and "fix:" in out.refusal
+    # the exception line last with nothing after it: complete once the stream goes quiet
+    shown, out = _filtered(LAUNCHER_REFUSAL, idle_at_end=True)
+    assert out.refusal and "Traceback" not in shown and out.held is None
+
+
+def test_other_tracebacks_are_printed_whole():
+    shown, out = _filtered(OTHER_ERROR)
+    assert shown == OTHER_ERROR and out.refusal is None  # chained, not ours (no sglang_dflash frame, no fix)
+    shown, out = _filtered(INTERRUPTED)
+    assert shown == INTERRUPTED
+    shown, out = _filtered(INTERRUPTED, stopping=True)  # after serve forwarded a Ctrl-C: the stop is clean
+    assert shown == "Process Process-1:\n[2026-11-27 13:10:42] INFO:     Shutting down\n"
+    # another process's log line inside a traceback is printed at once, not held with it
+    lines = LAUNCHER_REFUSAL.splitlines(keepends=True)
+    mixed = "".join(lines[:3] + ["[2026-11-27 13:11:45] another process's line\n"] + lines[3:])
+    shown, out = _filtered(mixed)
+    assert "another process's line" in shown and "Traceback" not in shown and out.refusal
+
+
+@pytest.mark.server
+def test_a_refused_start_ends_with_one_error_line(tmp_path):
+    """The real thing, on CPU: a target whose vocabulary is not the drafter's is refused in SGLang's server-argument
+    step; serve prints no traceback, ends with `sglang-dflash: error: ... Fix: ...` and exits non-zero (~20 s)."""
+    pytest.importorskip("sglang")
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc builds the stub libcuda")
+    from sglang_dflash.testing.checkpoints import save_tiny_target
+    from sglang_dflash.testing.server import free_port
+
+    save_tiny_target(tmp_path / "target", vocab_size=512)  # the shipped drafter's vocabulary is 49152
+    r = subprocess.run([sys.executable, "-m", "sglang_dflash", "serve", "--device", "cpu", "--target",
+                        str(tmp_path / "target"), "--port", str(free_port())], capture_output=True, text=True,
+                       timeout=400, cwd=Path(serve.__file__).parents[1])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert last.startswith("sglang-dflash: error: drafter config: vocab_size=49152") and "Fix:" in last, \
+        r.stderr[-3000:]
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
