@@ -73,6 +73,13 @@ def test_the_two_commands():
     assert test_line in ci_lines, ".ci/run must run the README's test command as written"
     assert "--test" not in serve_command(), "the serve command must not need the test tools"
     assert len(one_block("The two commands", "python", "spec_accept_length").strip().splitlines()) == 3
+    # the client snippets import openai: the README says which Python has it (the install's .venv: every serve
+    # extra lists openai) and how to get it elsewhere
+    before_client = section("The two commands").split("```python")[0]
+    assert "`.venv/bin/python`" in before_client and "pip install openai" in before_client
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for extra in ("serve", "serve-latest"):
+        assert re.search(rf'^{extra} = \[[^\]]*"openai', pyproject, re.M), f"extra {extra} lacks openai"
     assert "json_schema" in one_block("The two commands", "python", "response_format")
     from sglang_dflash import serve
 
