@@ -108,6 +108,25 @@ def test_models_table():
         "the README's Models table differs from `python -m benchmarks.readme_models`: paste its table"
 
 
+NUMBER_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
+                                            "thirteen fourteen fifteen sixteen seventeen eighteen nineteen "
+                                            "twenty".split())}
+
+
+def test_switch_counts_are_the_codes():
+    """A count of the environment switches written in the docs goes stale with the next switch (the README said 14
+    while there were 15): the docs state none, or the number `sglang_dflash.settings.SWITCHES` has."""
+    from sglang_dflash.settings import SWITCHES
+
+    count = re.compile(r"\b(\d+|" + "|".join(NUMBER_WORDS) + r")\s+(?:`SGLANG_DFLASH_\*`\s+)?"
+                       r"(?:environment\s+)?(?:switches|environment variables|variables)\b", re.I)
+    for doc in ("README.md", "docs/SETTINGS.md", "docs/ARCHITECTURE.md", "docs/CONTROLS.md", "docs/SERVING.md"):
+        for m in count.finditer((ROOT / doc).read_text()):
+            n = m.group(1).lower()
+            assert int(NUMBER_WORDS.get(n, n)) == len(SWITCHES), \
+                f"{doc}: {m.group(0)!r}, but sglang_dflash/settings.py has {len(SWITCHES)} switches: drop the count"
+
+
 def test_readme_links_exist():
     for link in re.findall(r"\]\(((?:docs|benchmarks|launch|tests)/[^)#]+)", README):
         assert (ROOT / link).exists(), link
