@@ -23,7 +23,8 @@
 #   --cpu                        a CPU machine: hands target + drafter to `python -m sglang_dflash serve
 #                                --device cpu`, which sets SGLang's CPU engine up (stub libcuda, float32,
 #                                torch_native attention, bounded KV pool) and prints the exact command. The
-#                                preset's GPU flags are dropped; our worker only (--method ours)
+#                                preset's GPU flags are dropped; --method ours, or none (serve --no-speculation,
+#                                the baseline); not builtin (SGLang's builtin DFLASH refuses CPU devices)
 #   --port N --host H            (default 30000, 127.0.0.1)
 #   --dry-run                    print the command (one line, env prefix included) and exit
 #   -- ARGS                      appended to the launch_server arguments
@@ -65,9 +66,9 @@ launch_main() {
     ${PYTHON:-python3} -c "$PREPARE" >&2
   fi
   if [ "$cpu" = 1 ]; then
-    if [ "$method" != ours ]; then
-      echo "[$NAME] --cpu serves with our worker only (SGLang's builtin DFLASH refuses CPU devices): use" \
-           "--method ours" >&2
+    if [ "$method" = builtin ]; then
+      echo "[$NAME] --cpu --method builtin: SGLang's builtin DFLASH refuses CPU devices. Fix: use --method ours" \
+           "(our worker) or --method none (plain decoding)" >&2
       return 2
     fi
     local sargs=(--device cpu --host "$host" --port "$port") more=()
@@ -76,9 +77,12 @@ launch_main() {
       if [ "$dry" = 0 ] && [ ! -f "$target/config.json" ]; then
         ${PYTHON:-python3} -m sglang_dflash.targets.shapes write "$NAME" "$dummy" >&2
       fi
-      more=(--load-format dummy --skip-tokenizer-init --speculative-draft-load-format dummy)
+      more=(--load-format dummy --skip-tokenizer-init)
+      [ "$method" = ours ] && more+=(--speculative-draft-load-format dummy)
     fi
-    sargs+=(--target "$target" --draft "$draft")
+    sargs+=(--target "$target")
+    # none: serve's plain decoding, the same CPU settings without the DFLASH flags (no drafter)
+    if [ "$method" = none ]; then sargs+=(--no-speculation); else sargs+=(--draft "$draft"); fi
     [ "$dry" = 1 ] && sargs+=(--dry-run)
     local switch=${DFLASH_WORKER_ENV:-SGLANG_DFLASH_WORKER=builtin}
     exec env -u "${switch%%=*}" "${PYTHON:-python3}" -m sglang_dflash serve \

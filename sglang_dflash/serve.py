@@ -3,6 +3,7 @@
     sglang-dflash serve                      # SmolLM2-135M-Instruct + our shipped drafter on port 30000
     sglang-dflash serve --dry-run            # print the command only
     sglang-dflash serve --target DIR --draft DIR --port 30001 -- --log-level debug
+    sglang-dflash serve --no-speculation     # the same target and settings, plain decoding: the baseline to compare
 
 It is a thin front for the real interface, `python -m sglang.launch_server ... --speculative-algorithm DFLASH`,
 and prints that exact command (with its environment) before running it, so users learn what to type themselves.
@@ -23,19 +24,25 @@ On a machine without a CUDA GPU it sets up SGLang's CPU engine, which needs more
 On a CUDA machine it runs the usual GPU command (triton attention for target and drafter, the checkpoint's dtype).
 
 The speculative block size comes from the drafter's config.json (block_size), never from a constant here.
-The server runs as a child in its own process group, its output on this terminal. Ctrl-C (SIGINT) or SIGTERM to
-this process is forwarded to that whole group (then TERM, then KILL if it lingers), and this process exits with the
-server's exit status (128 + the signal's number when a signal stopped it).
+The server runs as a child in its own process group; its output is relayed to this terminal line by line
+(`ServerOutput`). A setup the package refuses at start-up (DFlashConfigError, DFlashStartupError, ... or any error
+raised in sglang_dflash whose message names the fix) is not shown as SGLang's traceback: its message comes last, as
+one line `sglang-dflash: error: ...`, and serve exits non-zero. Ctrl-C (SIGINT) or SIGTERM to this process becomes
+a SIGINT to the launcher alone, which stops its own children (then TERM, then KILL to the whole group if anything
+lingers), and this process exits with the server's exit status (128 + the signal's number when a signal stopped it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import select
 import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,26 +146,31 @@ def cpu_env(stub_dir: Path, offline: bool) -> dict[str, str]:
     return env
 
 
-def build_command(target: str | Path, draft: str | Path, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
+def build_command(target: str | Path, draft: str | Path | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                   cpu: bool = True, extra: list[str] = (), python: str = sys.executable,
-                  stub_dir: Path | None = None, offline: bool = False, dry_run: bool = False) -> ServeCommand:
+                  stub_dir: Path | None = None, offline: bool = False, dry_run: bool = False,
+                  speculate: bool = True) -> ServeCommand:
     """The launch_server command for target + DFLASH drafter (no side effects besides reading the drafter config).
-    offline: both models are local directories (sets HF_HUB_OFFLINE on CPU)."""
-    if Path(draft).is_dir() or not dry_run:
-        block = drafter_block_size(draft)
-        block_args, block_note = ["--speculative-num-draft-tokens", str(block)], \
-            f"drafter block size {block} (from {Path(draft) / 'config.json'})"
-    else:  # --dry-run before the drafter exists (e.g. a preset's --dummy DIR): the worker reads it at start-up
-        block_args, block_note = [], f"{draft} does not exist yet: --speculative-num-draft-tokens left out " \
-                                     "(the sglang-dflash worker takes the drafter's block_size)"
+    offline: the models are local directories (sets HF_HUB_OFFLINE on CPU). speculate=False: plain decoding of the
+    same target with the same device flags, no --speculative-* flag (draft unused): the baseline a speedup is
+    measured against."""
     from .testing.server import server_argv
 
-    argv = server_argv(target, port, host, [
-        *(CPU_ARGS if cpu else GPU_ARGS),
-        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft), *block_args,
-        "--speculative-draft-attention-backend", CPU_DRAFT_BACKEND if cpu else GPU_DRAFT_BACKEND, *extra], python)
+    if not speculate:
+        spec_args, notes = [], ["--no-speculation: plain decoding (the target alone), no DFLASH flags"]
+    else:
+        if Path(draft).is_dir() or not dry_run:
+            block = drafter_block_size(draft)
+            block_args, block_note = ["--speculative-num-draft-tokens", str(block)], \
+                f"drafter block size {block} (from {Path(draft) / 'config.json'})"
+        else:  # --dry-run before the drafter exists (e.g. a preset's --dummy DIR): the worker reads it at start-up
+            block_args, block_note = [], f"{draft} does not exist yet: --speculative-num-draft-tokens left out " \
+                                         "(the sglang-dflash worker takes the drafter's block_size)"
+        spec_args = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft), *block_args,
+                     "--speculative-draft-attention-backend", CPU_DRAFT_BACKEND if cpu else GPU_DRAFT_BACKEND]
+        notes = [block_note]
+    argv = server_argv(target, port, host, [*(CPU_ARGS if cpu else GPU_ARGS), *spec_args, *extra], python)
     env = cpu_env(stub_dir or stub_libcuda_dir(build=False), offline) if cpu else {}
-    notes = [block_note]
     if cpu:
         notes.append("CPU engine: float32 (bit-exact against plain decoding), torch_native attention, "
                      "KV pool capped at 8192 tokens")
@@ -182,6 +194,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch sees a GPU, else the CPU engine")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="plain decoding: the same target and settings without the DFLASH flags (--draft is not "
+                        "used), to compare speed and outputs against")
     return p.parse_args(argv), extra
 
 
@@ -190,8 +205,9 @@ def main(argv=None) -> None:
 
     args, extra = parse_args(argv)
     cpu = args.device == "cpu" or (args.device == "auto" and not has_cuda_gpu())
+    speculate = not args.no_speculation
     try:
-        draft = Path(args.draft) if args.draft else default_drafter()
+        draft = (Path(args.draft) if args.draft else default_drafter()) if speculate else None
         if args.target:
             target = args.target
         elif args.dry_run:  # printing must not start a 20 s conversion
@@ -201,11 +217,13 @@ def main(argv=None) -> None:
         else:
             target = prepare_default_target()
         stub = (stub_libcuda_dir() if not args.dry_run else stub_libcuda_dir(build=False)) if cpu else None
-        local = (not args.target or Path(args.target).is_dir()) and draft.is_dir()
+        local = (not args.target or Path(args.target).is_dir()) and (draft is None or draft.is_dir())
         cmd = build_command(target, draft, args.port, args.host, cpu, extra, stub_dir=stub, offline=local,
-                            dry_run=args.dry_run)
+                            dry_run=args.dry_run, speculate=speculate)
+        if args.draft and not speculate:  # kept so an A/B pair of commands differs by this one flag only
+            cmd.notes.append(f"--draft {args.draft} not used: --no-speculation serves the target alone")
     except (ServeError, DFlashConfigError) as e:
-        sys.exit(f"sglang-dflash serve: {e}")
+        sys.exit(error_line(str(e)))
     for note in cmd.notes:
         print(f"[serve] {note}", file=sys.stderr)
     print(cmd.shell(), flush=True)
@@ -218,33 +236,186 @@ def ready_line(host: str, port: int) -> str:
     return f"sglang-dflash: serving the OpenAI API at http://{host}:{port}/v1"
 
 
+def error_line(message: str) -> str:
+    """serve's one line for a refusal: the message names the value and the fix."""
+    return f"sglang-dflash: error: {message}"
+
+
+def refusal_names() -> frozenset[str]:
+    """The exception classes that mean "the package refuses this setup" (their messages name the value and the fix),
+    taken from the classes themselves so a rename cannot leave this list stale."""
+    from .config import DFlashConfigError
+    from .serving.capture import CaptureUnsupportedError
+    from .serving.compat import UnsupportedSGLangVersion
+    from .serving.startup import DFlashStartupError
+    from .settings import SettingsError
+
+    return frozenset(c.__name__ for c in (DFlashConfigError, DFlashStartupError, CaptureUnsupportedError,
+                                          SettingsError, UnsupportedSGLangVersion, ServeError))
+
+
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(?:: ?(.*))?$")  # [module.]Name[: message]
+FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line \d+')
+OUR_CODE = f"{os.sep}sglang_dflash{os.sep}"
+
+
+class ServerOutput:
+    """One output stream of the server, relayed line by line to `write`, except Python tracebacks, which are held
+    until their exception line says what they are:
+    - a refusal of ours (a class of `refusal_names`, or any exception raised in sglang_dflash whose message names
+      a fix, e.g. a bad SGLANG_DFLASH_WIDTHS value): dropped, its message kept in `refusal` for serve's last line;
+      SGLang prints it once per scheduler ("Scheduler hit an exception: Traceback ...") or as the launcher's
+      uncaught exception, 25 lines each, and the user needs only the message;
+    - KeyboardInterrupt while `stopping()` (serve forwarded a Ctrl-C): dropped (the stop is clean);
+    - anything else: printed as it came.
+    A line of another process inside a held traceback (every process of the server writes to the same stream) is
+    printed at once, so only traceback lines are ever held."""
+
+    def __init__(self, write, refusals: frozenset[str], stopping=lambda: False):
+        self.write, self.refusals, self.stopping = write, refusals, stopping
+        self.held: list[str] | None = None  # the lines of the traceback being read
+        self.exception: tuple[str, str] | None = None  # its exception line (name, message), once read
+        self.frame = ""  # the file of its innermost frame so far
+        self.refusal: str | None = None
+
+    def feed(self, line: str) -> None:
+        text = line.rstrip("\r\n")
+        if self.held is None:
+            if TRACEBACK in text:
+                self.held, self.exception, self.frame = [line], None, ""
+            else:
+                self.write(line)
+            return
+        if self.exception is not None:  # after the exception line only a chained traceback continues the block
+            if not text.strip() or text.startswith(CHAINED) or TRACEBACK in text:
+                self.held.append(line)
+                if text.strip():
+                    self.exception = None
+                return
+            self.finish()
+            self.feed(line)
+            return
+        if not text.strip() or text[:1] in (" ", "\t") or text.startswith(CHAINED) or TRACEBACK in text:
+            m = FRAME_LINE.match(text)
+            if m:
+                self.frame = m.group(1)
+            self.held.append(line)
+            return
+        m = EXCEPTION_LINE.match(text)
+        if m:
+            self.held.append(line)
+            self.exception = (m.group(1), m.group(2) or "")
+        else:
+            self.write(line)
+
+    def idle(self) -> None:
+        """Nothing came for a while: a traceback whose exception line was read is complete."""
+        if self.exception is not None:
+            self.finish()
+
+    def finish(self) -> None:
+        """Decide on the held traceback (if any): drop it or print it."""
+        if self.held is None:
+            return
+        held, exception, frame = self.held, self.exception, self.frame
+        self.held, self.exception = None, None
+        if exception is not None:
+            name, message = exception
+            if name in self.refusals or (OUR_CODE in frame and "fix" in message.lower()):
+                self.refusal = message.strip()
+                return
+            if name == "KeyboardInterrupt" and self.stopping():
+                return
+        for line in held:
+            self.write(line)
+
+
+def relay(fd: int, output: ServerOutput, idle_s: float = 0.5) -> None:
+    """Copy the pipe `fd` into `output` until its end (every process of the server has exited)."""
+    buf = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], idle_s)
+        if not ready:
+            output.idle()
+            if buf and output.held is None:  # a progress bar's partial line (\r updates): show it now
+                output.write(buf.decode(errors="replace"))
+                buf = b""
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        *lines, buf = (buf + chunk).split(b"\n")
+        for line in lines:
+            output.feed(line.decode(errors="replace") + "\n")
+    if buf:
+        output.feed(buf.decode(errors="replace"))
+    output.finish()
+
+
+_print_lock = threading.Lock()
+
+
+def _writer(stream):
+    def write(text: str) -> None:
+        with _print_lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):  # our own stdout closed (e.g. piped into head): keep draining the pipe
+                pass
+    return write
+
+
 def run(cmd: ServeCommand, host: str, port: int, poll_s: float = 1.0) -> int:
     """Run the server as a child until it exits or this process gets SIGINT / SIGTERM; print `ready_line` once
-    /health answers. Returns the exit status to leave with."""
+    /health answers, and a start-up refusal as one `error_line`, last. Returns the exit status to leave with."""
     from .testing.server import Server
 
-    server = Server(cmd.argv, None, port, host, env={**os.environ, **cmd.env})
+    server = Server(cmd.argv, None, port, host, env={**os.environ, **cmd.env}, pipe=True)
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
+    refusals = refusal_names()
+    outputs, threads = [], []
     try:
         try:
             server.start()
         except RuntimeError as e:  # the port is taken: /health would be another server's
-            print(f"sglang-dflash serve: {e} (here: sglang-dflash serve --port N)", file=sys.stderr)
+            print(error_line(f"{e} (here: sglang-dflash serve --port N)"), file=sys.stderr)
             return 1
+        for pipe, stream in ((server.proc.stdout, sys.stdout), (server.proc.stderr, sys.stderr)):
+            out = ServerOutput(_writer(stream), refusals, stopping=lambda: bool(received))
+            thread = threading.Thread(target=relay, args=(pipe.fileno(), out), daemon=True)
+            thread.start()
+            outputs.append(out)
+            threads.append(thread)
         announced = False
         while not received and server.alive():
             if not announced and server.healthy():
-                print(ready_line(host, port), flush=True)
+                with _print_lock:
+                    print(ready_line(host, port), flush=True)
                 announced = True
             time.sleep(poll_s)
-        if received:  # Ctrl-C / SIGTERM: stop the server's whole group (SGLang's scheduler and detokenizer too)
-            server.stop(first=received[0])
+        if received:  # Ctrl-C / SIGTERM: the launcher stops its children (SGLang's scheduler and detokenizer)
+            server.stop(first=signal.SIGINT, leader_first=True)
             return 128 + received[0]
         code = server.proc.returncode
-        return code if code >= 0 else 128 - code
+        code = code if code >= 0 else 128 - code
+        server.stop()  # what the launcher left running; the pipes end when the last process holding them is gone
+        for thread in threads:
+            thread.join(timeout=10)
+        refusal = next((o.refusal for o in outputs if o.refusal), None)
+        if refusal:
+            print(error_line(refusal), file=sys.stderr, flush=True)
+        elif not announced:
+            print(error_line(f"the server exited with status {code} before it served; the cause is in its log "
+                             "above"), file=sys.stderr, flush=True)
+        return code if code or announced else 1  # a server that stops before serving has failed, whatever it says
     finally:
         server.stop()
+        for thread in threads:
+            thread.join(timeout=10)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -124,4 +124,30 @@ def test_cpu_flag_hands_over_to_serve():
     assert "--cuda-graph-max-bs-decode" not in toks  # the preset's GPU flags are not carried over
     r = subprocess.run(["bash", str(LAUNCH / "smollm2-135m.sh"), "--dry-run", "--cpu", "--method", "builtin"],
                        capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 2 and "--method ours" in r.stderr
+    assert r.returncode == 2 and "--method ours" in r.stderr and "--method none" in r.stderr
+
+
+def test_cpu_flag_method_none_is_plain_decoding():
+    """--cpu --method none: `serve --no-speculation`, the same CPU command as --method ours less the DFLASH flags
+    (and with --dummy, less the drafter's dummy load format)."""
+    pytest.importorskip("torch")
+    env = dict(__import__("os").environ, PYTHON=sys.executable)
+
+    def cmd(*args):
+        r = subprocess.run(["bash", str(LAUNCH / "smollm2-135m.sh"), "--dry-run", "--cpu", "--port", "30005", *args],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return shlex.split(r.stdout.strip().splitlines()[-1]), r.stderr
+
+    plain, err = cmd("--method", "none", "--", "--log-level", "debug")
+    ours, _ = cmd("--method", "ours", "--", "--log-level", "debug")
+    assert "--no-speculation" in err and not [t for t in plain if t.startswith("--speculative")], plain
+    assert plain == [t for i, t in enumerate(ours) if not _spec_token(ours, i)], (ours, plain)
+    assert plain[-2:] == ["--log-level", "debug"] and "SGLANG_USE_CPU_ENGINE=1" in plain
+    dummy, _ = cmd("--method", "none", "--dummy", "/nonexistent-dummy-dir")
+    assert "--load-format" in dummy and not [t for t in dummy if t.startswith("--speculative")], dummy
+
+
+def _spec_token(toks, i):
+    """Whether toks[i] is a --speculative-* flag or its value."""
+    return toks[i].startswith("--speculative") or (i > 0 and toks[i - 1].startswith("--speculative"))

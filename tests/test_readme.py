@@ -73,6 +73,13 @@ def test_the_two_commands():
     assert test_line in ci_lines, ".ci/run must run the README's test command as written"
     assert "--test" not in serve_command(), "the serve command must not need the test tools"
     assert len(one_block("The two commands", "python", "spec_accept_length").strip().splitlines()) == 3
+    # the client snippets import openai: the README says which Python has it (the install's .venv: every serve
+    # extra lists openai) and how to get it elsewhere
+    before_client = section("The two commands").split("```python")[0]
+    assert "`.venv/bin/python`" in before_client and "pip install openai" in before_client
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for extra in ("serve", "serve-latest"):
+        assert re.search(rf'^{extra} = \[[^\]]*"openai', pyproject, re.M), f"extra {extra} lacks openai"
     assert "json_schema" in one_block("The two commands", "python", "response_format")
     from sglang_dflash import serve
 
@@ -99,6 +106,25 @@ def test_models_table():
         sys.path.remove(str(ROOT))
     assert readme_models.table() in section("Models"), \
         "the README's Models table differs from `python -m benchmarks.readme_models`: paste its table"
+
+
+NUMBER_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
+                                            "thirteen fourteen fifteen sixteen seventeen eighteen nineteen "
+                                            "twenty".split())}
+
+
+def test_switch_counts_are_the_codes():
+    """A count of the environment switches written in the docs goes stale with the next switch (the README said 14
+    while there were 15): the docs state none, or the number `sglang_dflash.settings.SWITCHES` has."""
+    from sglang_dflash.settings import SWITCHES
+
+    count = re.compile(r"\b(\d+|" + "|".join(NUMBER_WORDS) + r")\s+(?:`SGLANG_DFLASH_\*`\s+)?"
+                       r"(?:environment\s+)?(?:switches|environment variables|variables)\b", re.I)
+    for doc in ("README.md", "docs/SETTINGS.md", "docs/ARCHITECTURE.md", "docs/CONTROLS.md", "docs/SERVING.md"):
+        for m in count.finditer((ROOT / doc).read_text()):
+            n = m.group(1).lower()
+            assert int(NUMBER_WORDS.get(n, n)) == len(SWITCHES), \
+                f"{doc}: {m.group(0)!r}, but sglang_dflash/settings.py has {len(SWITCHES)} switches: drop the count"
 
 
 def test_readme_links_exist():
@@ -269,6 +295,10 @@ def test_wheel_block_installs_and_starts_the_plugin(tmp_path):
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=checkout, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    # every package folder is declared (pyproject.toml): setuptools' page-long "Package would be ignored" warning
+    # about one (sglang_dflash.assets, data only) was printed at every install
+    assert "is absent from the `packages` configuration" not in r.stdout + r.stderr, \
+        [ln for ln in (r.stdout + r.stderr).splitlines() if "absent from the `packages`" in ln]
     dist = checkout / "dist"
     assert sorted(p.name for p in dist.iterdir()) == sorted([wheel_name, f"sglang_dflash-{__version__}.tar.gz"])
     if importlib.util.find_spec("twine") is not None:

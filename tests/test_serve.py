@@ -1,8 +1,8 @@
 """`sglang-dflash serve` builds the right launch_server command, runs it as a child, says when it serves, and a
 missing drafter gets our error.
 
-Fast: the printed command (CPU and GPU flavours, block size read from the drafter, `--` pass-through, SGLang's own
-parser accepts it), the `sglang-dflash` subcommands, the drafter-path check, and the child's lifecycle with a stand-in
+Fast: the printed command (CPU and GPU flavours, block size read from the drafter, `--` pass-through,
+`--no-speculation` = the same command less the DFLASH flags, SGLang's own parser accepts them), the `sglang-dflash` subcommands, the drafter-path check, and the child's lifecycle with a stand-in
 server (the ready line only once /health answers; Ctrl-C / SIGTERM stop the child's whole process group; exit status
 passed on). The real server start of the README's serve command is in tests/test_readme.py.
 """
@@ -73,6 +73,22 @@ def test_gpu_command_and_passthrough(tmp_path):
     assert argv[-2:] == ["--log-level", "debug"]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_no_speculation_is_the_same_command_without_dflash(device, tmp_path):
+    """--no-speculation (the baseline to compare against): the speculative command less its --speculative-* flags
+    and nothing else, same environment; --draft is accepted and unused, so an A/B pair differs by the flag alone."""
+    spec_env, spec = dry("--device", device, "--port", "31234", "--", "--log-level", "debug")
+    plain_env, plain = dry("--device", device, "--port", "31234", "--no-speculation", "--", "--log-level", "debug")
+    assert not [a for a in plain if a.startswith("--speculative")], plain
+    i = spec.index("--speculative-algorithm")
+    j = max(k for k, a in enumerate(spec) if a.startswith("--speculative")) + 2
+    assert plain == spec[:i] + spec[j:], (spec, plain)
+    assert plain_env == spec_env
+    _, with_draft = dry("--device", device, "--port", "31234", "--no-speculation", "--draft", str(tmp_path / "nope"),
+                        "--", "--log-level", "debug")
+    assert with_draft == plain
+
+
 def test_block_size_comes_from_the_drafter(tmp_path):
     cfg = json.loads((drafter_path() / "config.json").read_text())
     cfg["block_size"] = 8
@@ -104,6 +120,9 @@ def test_commands_parse_with_sglang():
         ns, unknown = p.parse_known_args(argv)
         assert not unknown, (device, unknown)
         assert ns.speculative_algorithm == "DFLASH" and ns.speculative_num_draft_tokens == 16
+        _, argv = dry("--device", device, "--no-speculation")
+        ns, unknown = p.parse_known_args(argv)
+        assert not unknown and ns.speculative_algorithm is None, (device, unknown)
 
 
 def test_subcommands():
@@ -192,7 +211,10 @@ def test_ready_line_after_health_and_signals_stop_the_group(sig):
         while not gone(grandchild) and time.time() - t0 < 10:
             time.sleep(0.1)
         assert gone(grandchild), "the server's children outlived serve"
-        assert proc.stdout.read().count("sglang-dflash: serving") == 0  # said once
+        rest = proc.stdout.read()
+        assert rest.count("sglang-dflash: serving") == 0  # said once
+        # the launcher alone got the stop (SIGINT): its KeyboardInterrupt traceback is not shown, the stop is clean
+        assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
     finally:
         proc.kill()
         proc.wait()
@@ -272,3 +294,124 @@ def test_missing_draft_path_gets_our_error_in_sglang(tmp_path):
         f"SGLang read the missing drafter before our check ran: sglang_dflash/serving/plugin.py must register " \
         f"startup.check_draft_path_before_alias AROUND speculative_hook._resolve_speculative_algorithm_alias. {line[0]}"
     assert "DFlashStartupError" in line[0] and str(missing) in line[0] and "Fix" in line[0], line[0]
+
+
+# ------------------------------------------------------------------------ start-up refusals as one line
+LAUNCHER_REFUSAL = """\
+[2026-11-27 13:11:44] Cuda graph is disabled because of using torch native attention backend
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/sglang/srt/plugins/hook_registry.py", line 390, in wrapper
+    return hook(original_fn, *args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/sglang_dflash/config.py", line 296, in validate_against_target
+    raise DFlashConfigError("vocab_size", self.vocab_size, f"the target's vocab_size is {vocab}",
+sglang_dflash.config.DFlashConfigError: drafter config: vocab_size=999: the target's vocab_size is 49152. Fix: use a drafter trained for this target
+"""
+# SGLang's scheduler logs its exception (here a plain ValueError raised in our code, naming the fix), then the
+# launcher, told by SIGQUIT, kills the tree
+SCHEDULER_REFUSAL = """\
+[2026-11-27 13:12:23] Load weight end. elapsed=0.06 s, type=DFlashDraftModel
+[2026-11-27 13:12:23] Scheduler hit an exception: Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 4931, in run_scheduler_process
+    scheduler = Scheduler(
+                ^^^^^^^^^^
+  File "/work/sglang_dflash/adaptive.py", line 55, in parse_widths
+    raise ValueError(f"{name}={text!r}: {bad} outside 0..{top} (a step verifies at most block_size - 1 = {top} "
+ValueError: SGLANG_DFLASH_WIDTHS='0,3,99': [99] outside 0..15; fix: use values in 0..15
+
+[2026-11-27 13:12:23] Received sigquit from a child process. It usually means the child failed.
+"""
+OTHER_ERROR = """\
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 10, in run
+    x = 1 / 0
+ZeroDivisionError: division by zero
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 12, in run
+    raise RuntimeError("no fix here")
+RuntimeError: no fix here
+[2026-11-27 13:12:24] next line
+"""
+INTERRUPTED = """\
+Process Process-1:
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/zmq/sugar/poll.py", line 106, in poll
+    return zmq_poll(self.sockets, timeout=timeout)
+KeyboardInterrupt
+[2026-11-27 13:10:42] INFO:     Shutting down
+"""
+
+
+def _filtered(text: str, stopping: bool = False, idle_at_end: bool = False) -> tuple[str, serve.ServerOutput]:
+    shown = []
+    out = serve.ServerOutput(shown.append, serve.refusal_names(), stopping=lambda: stopping)
+    for line in text.splitlines(keepends=True):
+        out.feed(line)
+    if idle_at_end:
+        out.idle()
+    else:
+        out.finish()
+    return "".join(shown), out
+
+
+def test_refusal_names_are_the_classes():
+    from sglang_dflash.config import DFlashConfigError
+    from sglang_dflash.serving.capture import CaptureUnsupportedError
+    from sglang_dflash.settings import SettingsError
+
+    names = serve.refusal_names()
+    assert {DFlashConfigError.__name__, DFlashStartupError.__name__, CaptureUnsupportedError.__name__,
+            SettingsError.__name__, "UnsupportedSGLangVersion"} <= names
+
+
+def test_a_refusal_traceback_is_dropped_and_its_message_kept():
+    shown, out = _filtered(LAUNCHER_REFUSAL)
+    assert shown == LAUNCHER_REFUSAL.splitlines(keepends=True)[0]  # the log line before it, nothing else
+    assert out.refusal == "drafter config: vocab_size=999: the target's vocab_size is 49152. Fix: use a drafter " \
+                          "trained for this target"
+    shown, out = _filtered(SCHEDULER_REFUSAL)
+    assert "Traceback" not in shown and "File " not in shown and "Scheduler hit an exception" not in shown
+    assert "Load weight end" in shown and shown.rstrip().endswith("It usually means the child failed.")
+    assert out.refusal.startswith("SGLANG_DFLASH_WIDTHS='0,3,99'") and "fix:" in out.refusal
+    # the exception line last with nothing after it: complete once the stream goes quiet
+    shown, out = _filtered(LAUNCHER_REFUSAL, idle_at_end=True)
+    assert out.refusal and "Traceback" not in shown and out.held is None
+
+
+def test_other_tracebacks_are_printed_whole():
+    shown, out = _filtered(OTHER_ERROR)
+    assert shown == OTHER_ERROR and out.refusal is None  # chained, not ours (no sglang_dflash frame, no fix)
+    shown, out = _filtered(INTERRUPTED)
+    assert shown == INTERRUPTED
+    shown, out = _filtered(INTERRUPTED, stopping=True)  # after serve forwarded a Ctrl-C: the stop is clean
+    assert shown == "Process Process-1:\n[2026-11-27 13:10:42] INFO:     Shutting down\n"
+    # another process's log line inside a traceback is printed at once, not held with it
+    lines = LAUNCHER_REFUSAL.splitlines(keepends=True)
+    mixed = "".join(lines[:3] + ["[2026-11-27 13:11:45] another process's line\n"] + lines[3:])
+    shown, out = _filtered(mixed)
+    assert "another process's line" in shown and "Traceback" not in shown and out.refusal
+
+
+@pytest.mark.server
+def test_a_refused_start_ends_with_one_error_line(tmp_path):
+    """The real thing, on CPU: a target whose vocabulary is not the drafter's is refused in SGLang's server-argument
+    step; serve prints no traceback, ends with `sglang-dflash: error: ... Fix: ...` and exits non-zero (~20 s)."""
+    pytest.importorskip("sglang")
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc builds the stub libcuda")
+    from sglang_dflash.testing.checkpoints import save_tiny_target
+    from sglang_dflash.testing.server import free_port
+
+    save_tiny_target(tmp_path / "target", vocab_size=512)  # the shipped drafter's vocabulary is 49152
+    r = subprocess.run([sys.executable, "-m", "sglang_dflash", "serve", "--device", "cpu", "--target",
+                        str(tmp_path / "target"), "--port", str(free_port())], capture_output=True, text=True,
+                       timeout=400, cwd=Path(serve.__file__).parents[1])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert last.startswith("sglang-dflash: error: drafter config: vocab_size=49152") and "Fix:" in last, \
+        r.stderr[-3000:]
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]

@@ -165,3 +165,55 @@ def test_drafter_results_one_json_per_set_and_temperature(tmp_path):
         assert {"target", "set", "temperature", "prompts", "tau", "greedy_equal"} <= set(row)
     assert rows["smollm2-gsm-T1.json"]["greedy_equal"] is True and rows["smollm2-gsm-T1.json"]["tau"] == 1.4
     assert rows["smollm2-gsm-T0.json"]["tau"] == 2.5 and rows["smollm2-mtbench-T0.json"]["greedy_equal"] is False
+
+
+class _RunsCode:
+    """A pickle payload: unpickling it calls exec, which writes the marker file (what a crafted state file does)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_resume_refuses_a_state_file_that_would_run_code(target, store, tmp_path, writer):
+    """Trainer.load_state is weights-only: a file whose unpickling would run code is refused, the code never runs,
+    and the error names the file and the fix (issue #46)."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    state = {"drafter": {}, "step": 3, "payload": _RunsCode(marker)}
+    out = tmp_path / "state"
+    out.mkdir()
+    path = out / "trainer_state.pt"
+    if writer == "torch.save":
+        torch.save(state, path)
+    else:  # the legacy (non-zip) format takes another path through torch.load
+        with open(path, "wb") as f:
+            pickle.dump(state, f, protocol=2)
+    trainer = Trainer(make_drafter(target), target, store, TrainConfig(steps=2, batch_size=2, num_anchors=4), out)
+    with pytest.raises(ValueError, match="trainer state .*trainer_state.pt refused.*Fix: resume only"):
+        trainer.fit(progress=False, resume=True)
+    assert not marker.exists(), "loading the state file ran the code it carried"
+    assert trainer.step == 0
+
+
+def test_package_loads_no_pickle_beyond_weights_only():
+    """Every torch.load in the package and the benchmarks is weights-only, and nothing calls pickle.load(s): a
+    checkpoint or data file handed to us is data, never code."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bad = []
+    for d in ("sglang_dflash", "benchmarks", "kernels"):
+        for f in (root / d).rglob("*.py"):
+            text = f.read_text()
+            for m in re.finditer(r"torch\.load\(([^()]*(?:\([^()]*\)[^()]*)*)\)", text):
+                if "weights_only=True" not in m.group(1):
+                    bad.append(f"{f.relative_to(root)}: {m.group(0)}")
+            bad += [f"{f.relative_to(root)}: {m.group(0)}" for m in
+                    re.finditer(r"\bpickle\.loads?\(|allow_pickle=True|\bdill\.loads?\(|\bjoblib\.load\(", text)]
+    assert not bad, bad

@@ -79,12 +79,16 @@ def worker_env(env: dict, builtin: bool) -> dict:
 
 class Server:
     """One launch_server process in its own process group; `stop()` kills that group by PID. Its output goes to
-    log_path, or to this process's stdout / stderr when log_path is None (`sglang-dflash serve`)."""
+    log_path, or to this process's stdout / stderr when log_path is None; pipe=True (no log_path): to two pipes,
+    `proc.stdout` and `proc.stderr`, for the caller to relay (`sglang-dflash serve` filters them)."""
 
     def __init__(self, argv: list[str], log_path: str | Path | None, port: int, host: str = "127.0.0.1",
-                 env: dict | None = None):
+                 env: dict | None = None, pipe: bool = False):
         self.argv, self.port, self.host, self.env = list(argv), port, host, env
         self.log_path = Path(log_path) if log_path is not None else None
+        if pipe and log_path is not None:
+            raise ValueError("Server(pipe=True) relays the output itself: pass log_path=None")
+        self.pipe = pipe
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -103,7 +107,11 @@ class Server:
                                f"so this server's health check would talk to it. Fix: stop it (`ss -ltnp | grep "
                                f":{self.port}` shows its PID) or use another port (tests: SGLANG_DFLASH_TEST_PORT_OFFSET)")
         if self.log_path is None:
-            self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+            pipe = subprocess.PIPE if self.pipe else None
+            env = self.env
+            if self.pipe:  # Python block-buffers a pipe: unbuffered, the relay sees each line when it is written
+                env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, stdout=pipe, stderr=pipe)
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
@@ -143,12 +151,22 @@ class Server:
             time.sleep(poll_s)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
 
-    def stop(self, grace_s: float = 15.0, first: int = signal.SIGTERM) -> None:
-        """Signal the process group with `first` (TERM; serve forwards a Ctrl-C as INT), then TERM, then KILL, each
-        after grace_s without the group gone, and reap the leader."""
+    def stop(self, grace_s: float = 15.0, first: int = signal.SIGTERM, leader_first: bool = False) -> None:
+        """Signal the process group with `first` (TERM), then TERM, then KILL, each after grace_s without the group
+        gone, and reap the leader. leader_first (serve's Ctrl-C: first=INT): `first` goes to the launcher alone,
+        then the group is stopped as above once the launcher has exited (or after grace_s). SGLang's launcher
+        handles SIGINT by stopping its own children (SIGKILL from its kill_process_tree, or their parent-death
+        signal): they exit without the KeyboardInterrupt tracebacks a group-wide SIGINT makes each of them print."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session=True: the server leads its own group
+        if leader_first and self.proc.poll() is None:
+            try:
+                os.kill(pgid, first)
+                self.proc.wait(timeout=grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+            first = signal.SIGTERM  # what is left of the group (nothing, normally)
 
         def group_gone() -> bool:
             self.proc.poll()  # reap the leader: a zombie still counts as a member of its group

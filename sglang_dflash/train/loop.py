@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -208,7 +209,19 @@ class Trainer:
         path = Path(path) if path is not None else self.state_path
         if path is None or not path.is_file():
             return False
-        st = torch.load(str(path), map_location=self.device, weights_only=False)
+        # weights_only: a state file holds tensors and plain containers only (save_state); a full unpickle would
+        # run whatever code a crafted file names (its __reduce__), so a file handed to --resume could take over
+        # the machine. The weights-only unpickler refuses anything else before building it.
+        try:
+            st = torch.load(str(path), map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as e:
+            # torch's message is a page of advice to load it anyway; keep the line saying what was refused
+            lines = [ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error" in ln]
+            first = lines[0].split(". Please")[0] if lines else type(e).__name__
+            raise ValueError(f"trainer state {path} refused: it holds objects other than tensors and plain "
+                             f"containers, which a weights-only load does not build ({first}). Fix: resume only "
+                             f"from a trainer_state.pt written by Trainer.save_state; delete the file (or fit with "
+                             f"resume=False) to start over") from None
         self.drafter.load_state_dict(st["drafter"])
         self.opt.load_state_dict(st["opt"])
         self.total_steps = st["total_steps"]
