@@ -18,7 +18,8 @@
 #                                none: the target alone
 #   --dummy DIR                  exact-shape random weights: writes DIR/target and DIR/draft configs with
 #                                `python -m sglang_dflash.targets.shapes write NAME DIR` if absent, and serves them with
-#                                --load-format dummy (+ draft) --skip-tokenizer-init. Cost only: never report
+#                                --load-format dummy (+ draft) --skip-tokenizer-init, weights re-drawn like a
+#                                model's (SGLANG_DFLASH_DUMMY_WEIGHTS=model). Cost only: never report
 #                                acceptance from it.
 #   --cpu                        a CPU machine: hands target + drafter to `python -m sglang_dflash serve
 #                                --device cpu`, which sets SGLang's CPU engine up (stub libcuda, float32,
@@ -104,6 +105,8 @@ launch_main() {
     [ -n "$dummy" ] && args+=(--speculative-draft-load-format dummy)
     if [ "$method" = builtin ]; then envs=("$var"); else envs=("-u" "${var%%=*}"); fi
   fi
+  # random weights scaled like a trained model's (greedy outputs depend on the prompt), for every method alike
+  [ -n "$dummy" ] && envs+=(SGLANG_DFLASH_DUMMY_WEIGHTS=model)
   args+=("${extra[@]}")
   if [ "$dry" = 1 ]; then
     printf '%s' "env"; printf ' %q' "${envs[@]}" "${PYTHON:-python3}" -m sglang.launch_server "${args[@]}"; echo

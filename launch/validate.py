@@ -74,10 +74,13 @@ def check(script: Path, parser: argparse.ArgumentParser) -> list[str]:
                     errors.append(f"{where}: needs --speculative-algorithm DFLASH and a drafter")
                 if method == "builtin" and f"{SWITCH}=builtin" not in env:
                     errors.append(f"{where}: builtin must set {SWITCH}=builtin, got env {env}")
-                if method == "ours" and env != ["-u", SWITCH]:
+                if method == "ours" and env[:2] != ["-u", SWITCH]:
                     errors.append(f"{where}: ours must unset {SWITCH}, got env {env}")
             if dummy and (ns.load_format != "dummy" or not ns.skip_tokenizer_init):
                 errors.append(f"{where}: --dummy must serve --load-format dummy --skip-tokenizer-init")
+            if dummy and "SGLANG_DFLASH_DUMMY_WEIGHTS=model" not in env:
+                errors.append(f"{where}: --dummy must re-draw the dummy weights like a model's "
+                              f"(SGLANG_DFLASH_DUMMY_WEIGHTS=model), got env {env}")
     return errors
 
 
