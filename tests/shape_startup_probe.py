@@ -269,7 +269,8 @@ def preset_server_args(script: Path, method: str, dummy_dir: Path) -> dict:
     return {"speculative_algorithm": server_args.speculative_algorithm,
             "attention_backend": server_args.attention_backend,
             "draft_attention_backend": server_args.speculative_draft_attention_backend,
-            "num_draft_tokens": server_args.speculative_num_draft_tokens}
+            "num_draft_tokens": server_args.speculative_num_draft_tokens,
+            "replay_ssm": bool(server_args.enable_linear_replayssm_spec)}
 
 
 def main(argv: list[str]) -> int:

@@ -143,3 +143,6 @@ def test_preset_builds_server_args(probe, preset):
     assert plain["speculative_algorithm"] is None
     assert ours["speculative_algorithm"] == "DFLASH" and ours["num_draft_tokens"] == 16
     assert ours["draft_attention_backend"] is not None
+    # hybrid (Gated DeltaNet) targets: start-up turns SGLang's replay commit on for DFLASH (startup.check_replay_ssm;
+    # the presets are GPU commands) instead of a recurrent-state snapshot per draft position
+    assert ours["replay_ssm"] == (preset == "qwen3.5-35b-a3b") and not plain["replay_ssm"]

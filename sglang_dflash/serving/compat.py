@@ -21,10 +21,18 @@ What differs between 0.5.17 and 0.5.23, and where each difference is handled:
   ``ServerArgs`` in 0.5.17, a function of ``arg_groups.attention_hook`` in 0.5.23; and where it lets trtllm_mha
   prefill run: Blackwell SM100 only in 0.5.17, also Hopper and SM120 in 0.5.23.
   -> :data:`ATTENTION_CHECKS_HOOK`, :data:`TRTLLM_MHA_PREFILL_MAJORS`.
+- SGLang's replay commit of Gated DeltaNet state (``--enable-linear-replayssm-spec``; docs/notes-replayssm.md): in
+  0.5.17 the verify writes each token's raw inputs into a per-slot window and the commit folds the accepted prefix
+  into the state (``gdn_replayssm_spec_fold``); 0.5.23 replaced that for GDN by a circular history with cursors.
+  Start-up turns the flag on where the fold was read and tested (0.5.17); both releases refuse it for a DFLASH
+  target that is not KDA, a refusal aimed at their own DFLASH worker's commit, which our worker does not use
+  (module global ``kimi_linear_config`` in 0.5.17, field ``hybrid_kda_config`` in 0.5.23).
+  -> :data:`REPLAY_SSM_AUTO`, :data:`HYBRID_REQ_POOL_HOOK`, :func:`replay_pool_for_gdn`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
 import re
@@ -179,3 +187,55 @@ def reserved_lens_cpu(state):
     if lens is None:
         lens = getattr(state, "reserved_seq_lens_cpu", None)  # 0.5.17
     return lens
+
+
+# ------------------------------------------------------------------------------ recurrent state: the replay commit
+# Start-up turns --enable-linear-replayssm-spec on for Gated DeltaNet targets only on releases whose GDN replay is
+# the fold-every-commit protocol (0.5.17: read, and tested on CPU under Triton's interpreter). On 0.5.23 (a circular
+# history with cursors for GDN) the operator's flag is honoured and our commit goes through the same SGLang function,
+# but start-up does not turn it on by itself.
+REPLAY_SSM_AUTO = _AT_MOST_0_5_17
+# where SGLang builds a hybrid target's request + recurrent-state pools (and refuses the flag for DFLASH + non-KDA)
+HYBRID_REQ_POOL_HOOK = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
+_KDA_PROBE = "kimi_linear_config"  # 0.5.17: the configurator module's global that the refusal asks
+
+
+class _NotKda:
+    """What the refusal's KDA probe answers while it is lifted (any non-None value passes it)."""
+
+
+@contextlib.contextmanager
+def replay_pool_for_gdn(configurator):
+    """Around SGLang's ``KVCacheConfigurator._build_hybrid_req_pool``: lets it build the replay pool (raw-input window,
+    no per-draft-position state snapshots) for a Gated DeltaNet target under DFLASH.
+
+    Both releases refuse ``--enable-linear-replayssm-spec`` with DSPARK / DFLASH unless the target is KDA
+    (kv_cache_configurator.py ``_build_hybrid_req_pool``: "DSPARK/DFLASH commit routes through the backend fold
+    (KDA-only)"): SGLang's own DFLASH worker commits through ``update_mamba_state_after_mtp_verify``, whose replay
+    branch is KDA-only. Our worker commits through ``spec_utils.commit_mamba_states_after_verify`` (EAGLE's), which has
+    the GDN replay, so the refusal does not concern it. For the call's duration the refusal's KDA probe answers
+    "yes"; the only other reader of that probe in the call is the pool's ``enable_linear_replayssm_spec`` argument,
+    ``gdn or kda``, already true for a GDN target. No-op unless the flag is on and the target is GDN."""
+    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config
+    from sglang.srt.runtime_context import get_exec
+
+    if not (get_exec().mamba.enable_linear_replayssm_spec and hybrid_gdn_config(configurator.model_config) is not None):
+        yield
+        return
+    if hasattr(configurator, "hybrid_kda_config"):  # 0.5.23: a field of the configurator
+        saved = configurator.hybrid_kda_config
+        configurator.hybrid_kda_config = saved if saved is not None else _NotKda()
+        try:
+            yield
+        finally:
+            configurator.hybrid_kda_config = saved
+        return
+    import sys
+
+    module = sys.modules[type(configurator).__module__]  # 0.5.17: a module global the method calls
+    probe = getattr(module, _KDA_PROBE)
+    setattr(module, _KDA_PROBE, lambda model_config: probe(model_config) or _NotKda())
+    try:
+        yield
+    finally:
+        setattr(module, _KDA_PROBE, probe)

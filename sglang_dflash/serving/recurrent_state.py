@@ -4,23 +4,47 @@ under speculative verify.
 A verify pass runs W = k + 1 tokens through every layer. Attention layers write K/V per token slot, and rows past
 the commit are simply rewritten by the next step (worker.py). A linear-attention layer instead carries ONE state per
 request, advanced token by token, so after a verify its state must be the state after exactly commit_len of the W
-tokens, not after W. SGLang's hybrid attention backend runs TARGET_VERIFY without touching the persistent state: it
-keeps the state after every verified token in per-step caches, and `update_mamba_state_after_mtp_verify` copies the
-chosen step's state (and conv window) into the request's slot. So the commit of a verify step is: step index
-commit_len - 1 for every request (a chain; no tree), one fused launch, no host sync.
+tokens, not after W. SGLang's hybrid attention backend runs TARGET_VERIFY without touching the persistent state, and
+the commit sets it afterwards, one of two ways (docs/notes-replayssm.md):
+
+- snapshot scatter (the default): the verify keeps the state after every verified token in per-step caches (a full
+  SSM state per draft position per running request, which SGLang's memory plan reserves up front), and
+  ``update_mamba_state_after_mtp_verify`` copies the chosen step's state (and conv window) into the request's slot:
+  step index commit_len - 1 for every request (a chain; no tree), one fused launch, no host sync.
+- replay (SGLang's ``--enable-linear-replayssm-spec``, which start-up turns on for Gated DeltaNet targets where it
+  applies, startup.check_replay_ssm): no snapshots; the verify records each token's raw inputs (k, v, gate, beta) in
+  a per-slot window, and the commit replays the first commit_len of them into the state, through
+  ``spec_utils.commit_mamba_states_after_verify`` (SGLang's EAGLE commit; conv windows still roll back by step). The
+  worker uses it when the pool was built for it (``replay_pool``), at every width W (k = 0 included: a window of one).
 
 Radix caching of hybrid models (`--mamba-radix-cache-strategy extra_buffer`) also keeps snapshots of the state at
 every `mamba_track_interval` tokens, for later requests that share the prefix. A verify that crosses such a boundary
 must snapshot the state of the step that ends exactly on it: step boundary - prefix - 1, which always lies inside
 the committed steps (the boundary is at most the new length). SGLang rebuilds the snapshot slots
-(`mamba_track_indices`) from the requests before each verify (`prepare_mamba_track_for_verify`).
+(`mamba_track_indices`) from the requests before each verify (`prepare_mamba_track_for_verify`); the replay stores
+that step's state in the track slot as it passes it.
 
 Targets without recurrent layers: nothing here runs (`active` is False).
 """
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import torch
+
+from . import compat
+
+logger = logging.getLogger("sglang_dflash")
+
+
+def replay_pool(req_to_token_pool) -> bool:
+    """Whether SGLang built this request pool's recurrent state for the replay commit (a raw-input window per slot, no
+    per-draft-position snapshots): ``--enable-linear-replayssm-spec`` on a GDN / KDA target. The flag alone does not
+    say it (a unified memory pool, for one, builds no window), so the pool is asked."""
+    mamba_pool = getattr(req_to_token_pool, "mamba_pool", None)
+    return bool(getattr(mamba_pool, "enable_linear_replayssm_spec", False))
 
 
 class RecurrentStateCommit:
@@ -29,12 +53,23 @@ class RecurrentStateCommit:
 
         self.model_runner = model_runner
         self.active = mambaish_config(model_runner.model_config) is not None
-        if self.active and not hasattr(model_runner.attn_backend, "update_mamba_state_after_mtp_verify"):
+        self.replay = self.active and replay_pool(getattr(model_runner, "req_to_token_pool", None))
+        # SGLang's commit takes a target worker and reads only its model runner
+        self._target = SimpleNamespace(model_runner=model_runner)
+        self._rows = None  # 0, 1, 2, ...: the accept index of a chain verify is a [bs, W] view of it
+        if self.active and not self.replay and not hasattr(model_runner.attn_backend,
+                                                           "update_mamba_state_after_mtp_verify"):
             raise RuntimeError(
                 f"the target {type(model_runner.model).__name__} has recurrent (linear-attention) layers, but its "
                 f"attention backend {type(model_runner.attn_backend).__name__} cannot restore their state after a "
                 "speculative verify, so DFLASH would not be lossless. Fix: serve it with SGLang's hybrid attention "
                 "backend (the default for this model), or without --speculative-algorithm DFLASH")
+        if self.active:
+            how = ("by replaying the accepted tokens' recorded inputs (--enable-linear-replayssm-spec: no state "
+                   "snapshot per draft position)" if self.replay else
+                   "from per-draft-position state snapshots (SGLang's scatter)")
+            logger.info("sglang-dflash: hybrid target %s: recurrent state committed %s",
+                        type(model_runner.model).__name__, how)
 
     def before_verify(self, batch) -> None:
         """Snapshot slots for the radix cache, rebuilt from the requests (extra_buffer strategy; else a no-op)."""
@@ -43,16 +78,39 @@ class RecurrentStateCommit:
 
             prepare_mamba_track_for_verify(batch)
 
-    def after_accept(self, backend, batch, prefix: torch.Tensor, commit_lens: torch.Tensor) -> None:
-        """Every request's recurrent state := its state after commit_lens of the verified tokens. `backend` is the
-        attention backend that ran this verify (its metadata names the requests' state slots; each verify width
-        has its own backend: verify_widths.py)."""
+    def after_accept(self, backend, batch, prefix: torch.Tensor, commit_lens: torch.Tensor, width: int) -> None:
+        """Every request's recurrent state := its state after commit_lens of the `width` verified tokens. `backend` is
+        the attention backend that ran this verify (its metadata names the requests' state slots; each verify width
+        has its own backend: verify_widths.py); the replay commit reads the slots from the request pool instead."""
         if not self.active:
+            return
+        if self.replay:
+            self._replay(batch, commit_lens, width)
             return
         steps = commit_lens.to(torch.int64) - 1
         backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=steps, mamba_track_indices=batch.mamba_track_indices,
             mamba_steps_to_track=self._steps_to_track(batch, prefix, commit_lens), model=self.model_runner.model)
+
+    def _replay(self, batch, commit_lens: torch.Tensor, width: int) -> None:
+        """SGLang's commit for a verify of `width` tokens per request (EAGLE's: commit_mamba_states_after_verify). With
+        the replay pool it folds each request's first commit_lens recorded tokens into its state (and the
+        interval-crossing step's state into the radix track slot, from batch.seq_lens = the lengths before the
+        verify), then rolls the conv window back to step commit_lens - 1. A chain verify's accept index is row i's
+        verify rows i * width .. i * width + width - 1, so its last accepted step is commit_lens - 1, as above."""
+        from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
+
+        bs = commit_lens.shape[0]
+        accept_index = self._accept_index(bs, width, commit_lens.device)
+        commit_mamba_states_after_verify(self._target, batch, commit_lens, accept_index, width)
+
+    def _accept_index(self, bs: int, width: int, device: torch.device) -> torch.Tensor:
+        """[bs, width] int32: i * width + j (no launch once the buffer is large enough; it doubles when not)."""
+        n = bs * width
+        if self._rows is None or self._rows.numel() < n or self._rows.device != device:
+            size = max(n, 2 * self._rows.numel()) if self._rows is not None else n
+            self._rows = torch.arange(size, dtype=torch.int32, device=device)
+        return self._rows[:n].view(bs, width)
 
     @staticmethod
     def _steps_to_track(batch, prefix: torch.Tensor, commit_lens: torch.Tensor) -> torch.Tensor | None:
@@ -72,3 +130,29 @@ def boundary_steps(prefix: torch.Tensor, commit_lens: torch.Tensor, interval: in
     boundary = new // interval * interval
     crossed = prefix // interval != new // interval
     return torch.where(crossed, boundary - prefix - 1, torch.full_like(prefix, -1))
+
+
+# ------------------------------------------------------------------------------------ the replay pool at start-up
+_POOL_HOOK_INSTALLED = False
+
+
+def build_pool_for_replay(original, configurator, *args, **kwargs):
+    """AROUND hook on SGLang's ``KVCacheConfigurator._build_hybrid_req_pool``: SGLang refuses the replay pool for a
+    DFLASH target that is not KDA, a refusal about its own DFLASH worker's commit; ours commits through the function
+    that has the GDN replay (compat.replay_pool_for_gdn says how the refusal is lifted for the call)."""
+    with compat.replay_pool_for_gdn(configurator):
+        return original(configurator, *args, **kwargs)
+
+
+def install_replay_pool_hook(server_args) -> None:
+    """With --enable-linear-replayssm-spec, hook the target's pool build (``build_pool_for_replay``). Called by the
+    worker's constructor: it runs in the scheduler process before SGLang builds the target's pools
+    (Scheduler.init_model_worker: the draft worker, then init_memory_pools). Once per process."""
+    global _POOL_HOOK_INSTALLED
+    if _POOL_HOOK_INSTALLED or not getattr(server_args, "enable_linear_replayssm_spec", False):
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(compat.HYBRID_REQ_POOL_HOOK, build_pool_for_replay, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    _POOL_HOOK_INSTALLED = True

@@ -297,6 +297,64 @@ def check_tree(cfg: DFlashConfig, server_args) -> int:
     return size
 
 
+REPLAY_SSM_FLAG = "--enable-linear-replayssm-spec"
+
+
+def _replay_ssm_blocker(server_args) -> str | None:
+    """Why SGLang's replay commit cannot serve this Gated DeltaNet target's DFLASH verify, or None when it can. The
+    conditions SGLang checks for the flag (server_args.py ``_handle_linear_attn_backend``, which ran before this step
+    with the flag off, so they are checked here), plus where its kernels and pools exist."""
+    device = str(server_args.device or "cuda")
+    if not device.startswith("cuda"):
+        return f"--device {device}: the replay's verify and commit kernels are CUDA Triton kernels"
+    if not compat.REPLAY_SSM_AUTO:
+        return (f"SGLang {compat.SGLANG_VERSION} replays Gated DeltaNet state by a circular history the plugin has not "
+                f"been checked against (docs/notes-replayssm.md); pass {REPLAY_SSM_FLAG} to use it")
+    decode = server_args.linear_attn_decode_backend or server_args.linear_attn_backend
+    if decode not in ("triton", "flashinfer"):
+        return f"linear-attention decode backend {decode!r}: the replay needs triton or flashinfer"
+    if getattr(server_args, "enable_linear_replayssm", False):
+        return "--enable-linear-replayssm is on, and SGLang refuses both together (they share the ring)"
+    if getattr(server_args, "disaggregation_mode", "null") == "prefill":
+        return "a PD prefill server runs no verify"
+    if getattr(server_args, "enable_unified_memory", False):
+        return "--enable-unified-memory builds no replay window"
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyMode, read_ragged_verify_mode
+
+    if read_ragged_verify_mode() is not RaggedVerifyMode.STATIC:
+        return "SGLANG_RAGGED_VERIFY_MODE is not static, and the Gated DeltaNet ring-write needs the static layout"
+    return None
+
+
+def check_replay_ssm(server_args, record) -> bool:
+    """Hybrid targets keep their concurrency (issue #44): on a Gated DeltaNet target (Qwen3.5, Qwen3-Next) SGLang's
+    memory plan reserves, per running request, a full recurrent-state snapshot per draft position for the verify
+    (16 states per request at a block of 16), which caps the running requests far below plain decoding's.
+    ``--enable-linear-replayssm-spec`` replaces the snapshots by a record of each verified token's inputs, replayed at
+    the commit (recurrent_state.py). Turned on here where it applies (`_replay_ssm_blocker`); elsewhere the snapshots
+    stay, with a log line saying why. An operator's flag is kept as given (SGLang's flag is store_true: it cannot be
+    set to false, so only "on" is an explicit choice). Returns whether the flag is on."""
+    if getattr(server_args, "enable_linear_replayssm_spec", False):
+        logger.info("sglang-dflash: %s given: hybrid targets commit their recurrent state by replay", REPLAY_SSM_FLAG)
+        return True
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config
+
+    if hybrid_gdn_config(SimpleNamespace(hf_config=compat.target_hf_config(server_args))) is None:
+        return False  # no Gated DeltaNet layers: nothing to replay
+    reason = _replay_ssm_blocker(server_args)
+    if reason is not None:
+        logger.info("sglang-dflash: hybrid (Gated DeltaNet) target: recurrent state snapshots per draft position "
+                    "kept (%s off): %s", REPLAY_SSM_FLAG, reason)
+        return False
+    compat.set_args(record, "sglang_dflash.check_replay_ssm", enable_linear_replayssm_spec=True)
+    logger.info("sglang-dflash: hybrid (Gated DeltaNet) target: %s turned on: the verify records each token's inputs "
+                "and the commit replays the accepted ones, instead of a recurrent state snapshot per draft position "
+                "and running request (the memory SGLang reserves for those goes to running requests)", REPLAY_SSM_FLAG)
+    return True
+
+
 def handle_dflash_args(original, server_args) -> None:
     """Replaces SGLang's ``_handle_dflash`` when our worker is selected (it also lifts the CUDA-only restriction)."""
     server_args, record = compat.args_view(server_args), server_args  # reads see earlier resolution steps
@@ -332,6 +390,7 @@ def handle_dflash_args(original, server_args) -> None:
     compat.set_args(record, source, speculative_num_draft_tokens=cfg.block_size, speculative_num_steps=1,
                     speculative_eagle_topk=1)
     resolve_draft_attention_backend(record)
+    check_replay_ssm(server_args, record)
     if server_args.max_running_requests is None:
         compat.set_args(record, source, max_running_requests=48)
         logger.info("sglang-dflash: --max-running-requests defaults to 48 with DFLASH (pass it to change)")

@@ -61,7 +61,7 @@ from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .kernel_warmup import warm_kv_slot_kernels
 from .profiling import phase as _phase
-from .recurrent_state import RecurrentStateCommit
+from .recurrent_state import RecurrentStateCommit, install_replay_pool_hook
 from .startup import DFlashStartupError, load_draft_config
 from .tree_graphs import TreeBuffers, TreeVerifyGraphs, capture_sizes
 from .verify_widths import VerifyWidths
@@ -119,6 +119,9 @@ class DFlashWorker(BaseSpecWorker):
             raise DFlashStartupError("SGLANG_DFLASH_TREE with a DFlash2 drafter: tree verify needs a DFlash drafter")
 
         register_draft_model()
+        # hybrid targets with --enable-linear-replayssm-spec: SGLang builds the target's pools after this constructor
+        # and refuses that pool for DFLASH + a non-KDA target; our commit serves it (recurrent_state.py)
+        install_replay_pool_hook(server_args)
         bundle = build_draft_tp_worker(
             server_args=server_args, gpu_id=gpu_id, **compat.draft_worker_parallel_kwargs(ps), nccl_port=nccl_port,
             target_model_config=self.model_runner.model_config, algo_label="DFLASH(sglang-dflash)",
@@ -406,7 +409,7 @@ class DFlashWorker(BaseSpecWorker):
             self._controls.commit(pending, tokens, commit_lens)
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); a
         #    hybrid target's recurrent state is set to the state after the committed tokens; publish
-        self._recurrent.after_accept(verify_backend, batch, prefix, commit_lens)
+        self._recurrent.after_accept(verify_backend, batch, prefix, commit_lens, W)
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._control.step_end()
