@@ -36,6 +36,7 @@ STEP_COSTS = "SGLANG_DFLASH_STEP_COSTS"
 CACHE = "SGLANG_DFLASH_CACHE"
 TREE = "SGLANG_DFLASH_TREE"
 DUMMY_WEIGHTS = "SGLANG_DFLASH_DUMMY_WEIGHTS"
+REPLAY_SSM = "SGLANG_DFLASH_REPLAY_SSM"
 
 WORKERS = ("ours", "builtin")
 CAPTURE_MODES = ("auto", "generic", "check")
@@ -197,6 +198,12 @@ SWITCHES: tuple[Switch, ...] = (
            "(greedy outputs loop on one or two tokens), or `model`: seeded weights scaled like a trained model's, "
            "whose greedy outputs depend on the context and whose MoE routing spreads (targets/random_weights.py); "
            "applies to plain servers too, whichever worker runs, so every method of a run serves the same target"),
+    Switch(REPLAY_SSM, "replay_ssm", _flag(False), "0", "0, 1",
+           "1: hybrid Gated DeltaNet targets (Qwen3.5) get SGLang's --enable-linear-replayssm-spec at start-up where it "
+           "applies: the verify records each token's inputs and the commit replays the accepted ones, instead of a "
+           "recurrent-state snapshot per draft position and request, so more requests run at once "
+           "(serving/recurrent_state.py); lossless under Triton's interpreter with SGLang's own kernels, not yet run on "
+           "a GPU, hence off by default. Passing the flag itself works the same"),
 )
 NAMES = tuple(s.name for s in SWITCHES)
 _BY_NAME = {s.name: s for s in SWITCHES}
@@ -224,6 +231,7 @@ class Settings:
     cache: Path
     tree: int  # range-checked against the block size by tree_size
     dummy_weights: str
+    replay_ssm: bool
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

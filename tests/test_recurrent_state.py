@@ -233,10 +233,17 @@ def gdn_target(monkeypatch):
 
     monkeypatch.setattr(compat, "target_hf_config", lambda server_args: "hf")
     monkeypatch.setattr(compat, "REPLAY_SSM_AUTO", True)
+    monkeypatch.setenv("SGLANG_DFLASH_REPLAY_SSM", "1")  # opt-in until the replay has run on a GPU
     state = {"gdn": True}
     monkeypatch.setattr(arch, "hybrid_gdn_config", lambda mc: object() if state["gdn"] and mc.hf_config == "hf"
                         else None)
     return state
+
+
+def test_startup_keeps_the_snapshots_unless_the_replay_is_switched_on(gdn_target, monkeypatch):
+    monkeypatch.delenv("SGLANG_DFLASH_REPLAY_SSM")
+    args = _gpu_args()
+    assert not startup.check_replay_ssm(args, args) and not args.enable_linear_replayssm_spec
 
 
 def test_startup_turns_the_replay_on_for_a_gdn_target(gdn_target, caplog):

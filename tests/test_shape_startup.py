@@ -15,6 +15,7 @@ preset's command (with --dummy) is built into a full ServerArgs (post-init), bey
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def probe(tmp_path_factory):
 
         env = cpu_server_env(build_stub_libcuda(out / "stub"))
         env["SGLANG_DFLASH_DUMMY_WEIGHTS"] = "model"  # the benchmarks' dummy weights, through the plugin's hook
+    env = dict(env or os.environ, SGLANG_DFLASH_REPLAY_SSM="1")  # the hybrid replay commit, opt-in for now
     r = subprocess.run([sys.executable, str(PROBE), str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -343,7 +343,11 @@ def check_replay_ssm(server_args, record) -> bool:
 
     if hybrid_gdn_config(SimpleNamespace(hf_config=compat.target_hf_config(server_args))) is None:
         return False  # no Gated DeltaNet layers: nothing to replay
-    reason = _replay_ssm_blocker(server_args)
+    from ..settings import REPLAY_SSM, get
+
+    # opt-in until the replay commit has run on a GPU (its CPU proof: SGLang's kernels under Triton's interpreter)
+    reason = None if get(REPLAY_SSM) else f"{REPLAY_SSM}=1 turns it on (not yet run on a GPU)"
+    reason = reason or _replay_ssm_blocker(server_args)
     if reason is not None:
         logger.info("sglang-dflash: hybrid (Gated DeltaNet) target: recurrent state snapshots per draft position "
                     "kept (%s off): %s", REPLAY_SSM_FLAG, reason)
