@@ -100,7 +100,7 @@ def test_shape_starts(probe, name, mode):
     # SGLANG_DFLASH_DUMMY_WEIGHTS=model: SGLang's dummy weights re-drawn like a model's (targets/random_weights.py)
     for part in [d] if name in NO_CPU_MODEL else [t, d]:
         w = part["weights"]
-        assert w["norms"] > 0 and w["norms_one"] == w["norms"], f"{name}: {w}"
+        assert w["norms"] > 0 and w["norms_set"] == w["norms"], f"{name}: {w}"
         assert w["layers_differ"] is not False, f"{name}: two layers hold the same dummy weights"
 
 

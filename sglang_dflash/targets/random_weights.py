@@ -8,8 +8,15 @@ low. `model_like_init` rewrites those tensors as a trained model's are scaled, s
 context, differ across prompts and spread MoE routing:
 
 - norm weights, `layer_scalar`, per-expert and router scales: 1;
-- matrices (linear layers, fused experts, routers, convolutions): N(0, 1 / fan_in), fan_in = the last dimension,
-  so every layer keeps its input's scale;
+- matrices (linear layers, fused experts, convolutions): N(0, 1 / fan_in), fan_in = the last dimension, so every
+  layer keeps its input's scale;
+- what a residual branch adds (attention and linear-attention output projections, MLP and expert down
+  projections; in Gemma, whose post-norms rescale each branch, those norms' weights): scaled by 1 / sqrt(2 L), as
+  trained models' branches are small against the stream. With unit-scale branches in every layer the first GPU run
+  (benchmarks/results/floor-h200) saw plain decoding disagree with itself at other batch shapes far from any
+  near-tie: bf16 noise flipped a token's expert choice and each layer carried the jump on;
+- MoE routers: N(0, (ROUTER_STD / sqrt(hidden))^2): router logits of standard deviation ROUTER_STD, so the k-th and
+  (k+1)-th experts are rarely within bf16 noise of each other while every token still picks its own experts;
 - the token embedding: N(0, 1), or N(0, 1 / hidden) where the model multiplies it by sqrt(hidden) (Gemma), so its
   rows reach the first layer at unit scale either way;
 - an untied lm_head: N(0, (LOGIT_STD / sqrt(hidden))^2): logits of standard deviation LOGIT_STD after the final norm;
@@ -24,12 +31,38 @@ serve the same target. Torch only: the SGLang hook that calls it lives in servin
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
 LOGIT_STD = 4.0  # spread of an untied head's logits: top-2 gaps well above bf16 rounding on most steps
+ROUTER_STD = 4.0  # spread of MoE router logits
 BIAS_STD = 0.02
 _ONES = "ones"
+# a residual branch's last matrix (its output goes into the stream) by parameter name
+_BRANCH_OUT = ("o_proj", "down_proj", "out_proj", "w2_weight")
+# Gemma's branch post-norms: they normalise a branch's output, so their weight sets its scale
+_GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm", "post_feedforward_layernorm_1",
+                     "post_feedforward_layernorm_2")
+
+
+@dataclass(frozen=True)
+class Scales:
+    """What a model's tensors are drawn against: its hidden size, its embedding's std, the residual-branch factor
+    1 / sqrt(2 L), and whether it is a Gemma (branch post-norms, sqrt(hidden)-scaled embedding)."""
+
+    hidden: int
+    embed_std: float
+    branch: float
+    gemma: bool
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Scales:
+        config = getattr(model, "config", None)
+        config = getattr(config, "text_config", None) or config
+        hidden, layers = _hidden_size(model), int(getattr(config, "num_hidden_layers", 1) or 1)
+        gemma = "gemma" in type(model).__name__.lower()
+        return cls(hidden=hidden, embed_std=hidden ** -0.5 if gemma else 1.0, branch=(2 * layers) ** -0.5, gemma=gemma)
 
 
 def _tensor_seed(seed: int, rank: int, name: str) -> int:
@@ -37,8 +70,9 @@ def _tensor_seed(seed: int, rank: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def init_rule(name: str, shape: tuple[int, ...], embed_std: float, hidden: int) -> str | float | None:
-    """How one tensor is re-drawn: "ones", a normal's standard deviation, or None (left as it is)."""
+def init_rule(name: str, shape: tuple[int, ...], sc: Scales) -> str | float | None:
+    """How one tensor is re-drawn: "ones", a value to fill (a float in a 1-tuple), a normal's standard deviation
+    (a float), or None (left as it is)."""
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if leaf in ("layer_scalar", "scale", "per_expert_scale"):
@@ -48,21 +82,26 @@ def init_rule(name: str, shape: tuple[int, ...], embed_std: float, hidden: int) 
     if "bias" in leaf:  # linear biases and fused experts' [E, out] biases; dt_bias of linear attention
         return BIAS_STD
     if len(shape) == 1:
+        if sc.gemma and parent in _GEMMA_POST_NORMS:
+            return (sc.branch,)
         return _ONES if "norm" in parent or "norm" in leaf else None
     if "embed_tokens" in name or parent in ("wte", "embed", "embeddings"):
-        return embed_std
+        return sc.embed_std
     if parent == "lm_head":
-        return LOGIT_STD / hidden ** 0.5
-    return shape[-1] ** -0.5 if len(shape) >= 2 else None
+        return LOGIT_STD / sc.hidden ** 0.5
+    if "router" in name or parent == "gate":
+        return ROUTER_STD / sc.hidden ** 0.5
+    std = shape[-1] ** -0.5
+    if not sc.gemma and (parent in _BRANCH_OUT or leaf in _BRANCH_OUT):
+        std *= sc.branch
+    return std
 
 
 def model_like_init(model: torch.nn.Module, seed: int = 0, rank: int = 0) -> dict[str, int]:
     """Re-draw `model`'s floating tensors (parameters and persistent buffers) in place; returns how many tensors
     each rule touched. A tensor shared under two names (a tied head) is drawn once, by its first name."""
-    hidden = _hidden_size(model)
-    # Gemma multiplies the embedding by sqrt(hidden) in its forward: its rows are drawn that much smaller
-    embed_std = hidden ** -0.5 if "gemma" in type(model).__name__.lower() else 1.0
-    counts = {"ones": 0, "normal": 0, "kept": 0}
+    sc = Scales.of(model)
+    counts = {"ones": 0, "filled": 0, "normal": 0, "kept": 0}
     seen: set[int] = set()
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -71,12 +110,15 @@ def model_like_init(model: torch.nn.Module, seed: int = 0, rank: int = 0) -> dic
             if tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())
-            rule = init_rule(name, tuple(tensor.shape), embed_std, hidden)
+            rule = init_rule(name, tuple(tensor.shape), sc)
             if rule is None:
                 counts["kept"] += 1
             elif rule == _ONES:
                 tensor.fill_(1.0)
                 counts["ones"] += 1
+            elif isinstance(rule, tuple):
+                tensor.fill_(rule[0])
+                counts["filled"] += 1
             else:
                 gen = torch.Generator(device=tensor.device)
                 gen.manual_seed(_tensor_seed(seed, rank, name))
