@@ -10,7 +10,7 @@ tree step needs, per request ``r`` (``t`` = the target's argmax ids ``[bs, N]``:
     req_to_token[q_r, prefix_r + k] := path node k's slot for k < commit_lens[r], then the other nodes' in node order
     next_ids, bonus, accept_lens, new_lens: as for a chain (greedy_accept.commit_outputs)
 
-In torch that is tree_acceptance.verify_tree_greedy + tree_step.commit_path + greedy_accept.commit_outputs, ~50
+In torch that is tree_acceptance.verify_tree_greedy + tree_acceptance.commit_path + greedy_accept.commit_outputs, ~50
 small launches (gathers, the ancestor reduction, the path scatter, the rank scatter and argsort, the slot gather
 and scatter, the outputs' arithmetic) on the host path of every tree step; on a small target the step is
 host-bound and each launch costs wall time (issue #38; the chain step's own bookkeeping is one launch,
@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 from ..draft_tree import DraftTree
-from ..serving.tree_step import commit_path
-from ..tree_acceptance import verify_tree_greedy
+from ..tree_acceptance import commit_path, verify_tree_greedy
 from .greedy_accept import accept_outputs, commit_outputs
 
 

@@ -86,3 +86,22 @@ def verify_tree_sampled(tree: DraftTree, target_probs: torch.Tensor,
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[rows, cur], residual)
     return _commit(tree, cur, sample_from_probs(residual, generator))
+
+
+def commit_path(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix: torch.Tensor,
+                path: torch.Tensor) -> None:
+    """A tree step's commit in a paged KV layout (the serving worker's; pure torch, so the fused accept kernel's torch
+    twin, kernels/tree_accept.py, uses it too). Commit the accepted path (tree_acceptance's ``path`` [bs, N]: node indices root first, -1 after the commit):
+    req_to_token[req, prefix : prefix + N] is permuted in place so that column prefix + j holds path node j's slot
+    (j < commit_len), the other nodes' slots after it in node order. Same slots per row; other rows untouched."""
+    bs, n = path.shape
+    dev = path.device
+    cols = prefix.to(torch.int64)[:, None] + torch.arange(n, device=dev)
+    rows = req_pool_indices.to(torch.int64)[:, None].expand(bs, n)
+    slots = req_to_token[rows, cols]
+    # rank of node i in the new order: its place on the path, else N + i (behind the path, in node order); the
+    # path's -1 entries scatter into a spare column N, dropped
+    rank = (torch.arange(n + 1, device=dev) + n).expand(bs, n + 1).contiguous()
+    rank.scatter_(1, torch.where(path >= 0, path, n), torch.arange(n, device=dev).expand(bs, n).contiguous())
+    order = rank[:, :n].argsort(dim=1)  # keys are distinct: one permutation per row
+    req_to_token[rows, cols] = slots.gather(1, order)

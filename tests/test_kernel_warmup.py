@@ -1,11 +1,12 @@
-"""serving/kernel_warmup.py: SGLang's KV-slot writers compiled at start-up, writing nothing (issue #34 item 1)."""
+"""serving/kernel_warmup.py: SGLang's KV-slot writers (issue #34 item 1) and our tree accept (issue #48) compiled at
+start-up, writing nothing the server reads."""
 
 import pytest
 import torch
 
 pytest.importorskip("sglang")
 
-from sglang_dflash.serving.kernel_warmup import _aligned_and_not, warm_kv_slot_kernels  # noqa: E402
+from sglang_dflash.serving.kernel_warmup import _aligned_and_not, warm_kv_slot_kernels, warm_tree_accept  # noqa: E402,E501
 
 
 def test_two_alignments():
@@ -16,6 +17,19 @@ def test_two_alignments():
 
 def test_cpu_servers_have_nothing_to_warm():
     assert warm_kv_slot_kernels(torch.zeros((2, 64), dtype=torch.int32), 8) == 0
+    assert not warm_tree_accept(16, torch.zeros((2, 64), dtype=torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tree_accept_is_compiled_at_start_up_without_touching_the_pool():
+    from sglang_dflash.kernels.tree_accept import _tree_accept_kernel
+
+    req_to_token = torch.randint(0, 1000, (16, 4096), dtype=torch.int32, device="cuda")
+    before = req_to_token.clone()
+    assert not warm_tree_accept(0, req_to_token)  # trees off: nothing to compile
+    assert warm_tree_accept(16, req_to_token)
+    assert torch.equal(req_to_token, before)
+    assert _compiled(_tree_accept_kernel) != 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -20,8 +20,7 @@ from _interpreter import assert_all_equal, needs_gpu, print_interpreted, run_int
 from sglang_dflash.draft_tree import DEAD, DraftTree, build_draft_tree
 from sglang_dflash.kernels.greedy_accept import commit_outputs
 from sglang_dflash.kernels.tree_accept import tree_accept_torch
-from sglang_dflash.serving import tree_step
-from sglang_dflash.tree_acceptance import verify_tree_greedy
+from sglang_dflash.tree_acceptance import commit_path, verify_tree_greedy
 
 NAMES = ("commit_lens", "tokens", "next_ids", "bonus", "accept_lens", "new_lens")
 V = 11
@@ -112,7 +111,7 @@ def test_torch_twin_is_the_three_calls_of_the_old_tree_step():
         logits = torch.nn.functional.one_hot(target, V + bs).float()  # argmax = target
         old_r2t = r2t.clone()
         commit_lens, tokens, path = verify_tree_greedy(tree, logits)
-        tree_step.commit_path(old_r2t, pool, prefix, path)
+        commit_path(old_r2t, pool, prefix, path)
         want = (commit_lens, tokens) + commit_outputs(commit_lens, tokens, prefix)
         got = tree_accept_torch(target, tree, prefix, pool, r2t)
         assert _same(got, want) and torch.equal(r2t, old_r2t)
@@ -129,12 +128,12 @@ def test_a_path_committed_in_the_wrong_order_differs():
     target, tree, prefix, pool, r2t, planted = make_case(bs, N, B, pdt, rdt, seed=4)
     right, wrong = r2t.clone(), r2t.clone()
     _, _, path = verify_tree_greedy(tree, target)
-    tree_step.commit_path(right, pool, prefix, path)
+    commit_path(right, pool, prefix, path)
     flipped = path.clone()
     for r in range(bs):
         c = int(planted[r])
         flipped[r, :c] = path[r, :c].flip(0)
-    tree_step.commit_path(wrong, pool, prefix, flipped)
+    commit_path(wrong, pool, prefix, flipped)
     for r in range(bs):
         assert torch.equal(right[pool[r]], wrong[pool[r]]) == (int(planted[r]) == 1), r
     assert (planted > 2).any()

@@ -69,3 +69,24 @@ def warm_kv_slot_kernels(req_to_token: torch.Tensor, max_batch: int) -> int:
                 "%.1f s): a first batch of a new size no longer compiles them on its time to first token",
                 max_batch, launches, time.perf_counter() - t0)
     return launches
+
+
+def warm_tree_accept(tree_size: int, req_to_token: torch.Tensor) -> bool:
+    """Compile the greedy tree accept (kernels/tree_accept.py, one variant per tree size N) at start-up instead of on
+    the first tree step's latency (issue #48). It runs once on a chain tree of N nodes over a scratch row shaped like
+    the server's req_to_token rows (the kernel is specialised on their stride), so nothing the server reads is
+    written. CUDA only, and only with SGLANG_DFLASH_TREE on; returns whether it ran."""
+    if req_to_token.device.type != "cuda" or not tree_size:
+        return False
+    from ..draft_tree import chain_tree
+    from ..kernels.tree_accept import tree_accept
+
+    dev, t0 = req_to_token.device, time.perf_counter()
+    scratch = torch.zeros(1, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
+    zeros = torch.zeros(1, dtype=torch.int64, device=dev)  # prefix (ScheduleBatch.seq_lens), req_pool_indices
+    tree = chain_tree(zeros, torch.zeros(1, tree_size - 1, dtype=torch.int64, device=dev))
+    tree_accept(torch.zeros(1, tree_size, dtype=torch.int64, device=dev), tree, zeros, zeros.clone(), scratch)
+    torch.cuda.synchronize(dev)
+    logger.info("sglang-dflash: compiled the tree accept kernel for trees of %d nodes ahead of serving (%.1f s)",
+                tree_size, time.perf_counter() - t0)
+    return True

@@ -16,7 +16,7 @@ steps on plain torch, ``reference/engine.py: ReferenceEngine._tree_step``). One 
     accept  tree_acceptance.verify_tree_greedy -> commit_lens, tokens, path (the tree rows to keep); a batch with
             sampled rows: verify_tree_sampled on the target's processed probabilities per node (the chain's
             sampled path's, sampling.processed_probs), exact for greedy rows too (point masses)
-    commit  ``commit_path``: permute req_to_token[req, prefix : prefix + N] so the path's slots come first
+    commit  ``tree_acceptance.commit_path``: permute req_to_token[req, prefix : prefix + N] so the path's slots come first
             (on the GPU a greedy batch's accept, commit and outputs are one launch, kernels/tree_accept.py, whose
             torch twin, the CPU path, is these two functions and greedy_accept.commit_outputs; a sampled batch
             runs the same functions with verify_tree_sampled, in torch on either device)
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..draft_tree import DraftTree, build_draft_tree
+
 
 
 @dataclass
@@ -194,21 +195,3 @@ def verify_inputs(tree: DraftTree, prefix: torch.Tensor, req_pool_indices: torch
     cols = prefix + torch.arange(n, device=prefix.device)
     cache_loc = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols].to(torch.int64)
     return ids, positions, cache_loc
-
-
-def commit_path(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix: torch.Tensor,
-                path: torch.Tensor) -> None:
-    """Commit the accepted path (tree_acceptance's ``path`` [bs, N]: node indices root first, -1 after the commit):
-    req_to_token[req, prefix : prefix + N] is permuted in place so that column prefix + j holds path node j's slot
-    (j < commit_len), the other nodes' slots after it in node order. Same slots per row; other rows untouched."""
-    bs, n = path.shape
-    dev = path.device
-    cols = prefix.to(torch.int64)[:, None] + torch.arange(n, device=dev)
-    rows = req_pool_indices.to(torch.int64)[:, None].expand(bs, n)
-    slots = req_to_token[rows, cols]
-    # rank of node i in the new order: its place on the path, else N + i (behind the path, in node order); the
-    # path's -1 entries scatter into a spare column N, dropped
-    rank = (torch.arange(n + 1, device=dev) + n).expand(bs, n + 1).contiguous()
-    rank.scatter_(1, torch.where(path >= 0, path, n), torch.arange(n, device=dev).expand(bs, n).contiguous())
-    order = rank[:, :n].argsort(dim=1)  # keys are distinct: one permutation per row
-    req_to_token[rows, cols] = slots.gather(1, order)

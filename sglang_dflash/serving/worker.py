@@ -55,11 +55,11 @@ from ..kernels.block_inputs import block_inputs_torch
 from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_accept
 from ..kernels.tree_accept import tree_accept_torch
 from ..sampling import SamplingTensors, processed_probs
-from ..tree_acceptance import verify_tree_sampled
+from ..tree_acceptance import commit_path, verify_tree_sampled
 from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
-from .kernel_warmup import warm_kv_slot_kernels
+from .kernel_warmup import warm_kv_slot_kernels, warm_tree_accept
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit, install_replay_pool_hook
 from .startup import DFlashStartupError, load_draft_config
@@ -217,6 +217,7 @@ class DFlashWorker(BaseSpecWorker):
                                           self.model_runner.model_config.vocab_size, self.device)
         # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token
         warm_kv_slot_kernels(req_to_token_pool.req_to_token, self._block_ids.shape[0])
+        warm_tree_accept(self._tree_size, req_to_token_pool.req_to_token)  # and ours, with trees on
 
     def init_attention_backends(self):
         self._draft_worker.init_attention_backends()
@@ -425,7 +426,7 @@ class DFlashWorker(BaseSpecWorker):
         the chain's drafter pass -> best-first tree -> one target pass under the tree mask (it also writes every
         node's draft context K/V at its slot and position) -> the accept. An all-greedy batch: the target's argmax
         -> ``_tree_accept``: the greedy tree rule (tree_acceptance.verify_tree_greedy), req_to_token permuted so the
-        path's slots come first (tree_step.commit_path) and the step's outputs (commit_outputs of (commit_lens,
+        path's slots come first (commit_path) and the step's outputs (commit_outputs of (commit_lens,
         tokens), as the chain's), in one launch on the GPU (kernels/tree_accept.py), its torch twin (those three
         functions) on CPU. A batch with sampled rows: ``_tree_accept_sampled``, the same three steps with the sampled
         tree rule (tree_acceptance.verify_tree_sampled) on the target's processed probabilities.
@@ -487,7 +488,7 @@ class DFlashWorker(BaseSpecWorker):
         built as the chain's sampled accept builds it per block position (``_batch_sampling``: temperature, top-k,
         top-p, min-p; SGLang's greedy rows are top_k = 1, so point masses on the argmax, which the sampled rule
         accepts exactly as the greedy one), then the exact rule (tree_acceptance.verify_tree_sampled: recursive
-        rejection over siblings, the reference engine's), the path's commit (tree_step.commit_path) and the
+        rejection over siblings, the reference engine's), the path's commit (commit_path) and the
         step's outputs (commit_outputs), the three steps of the greedy one-launch path. Dense [bs * N, V] float32
         probabilities: no logits-only form of the tree rule exists (the chain has one for unfiltered batches).
         The draws are this rank's own: no rank-0 broadcast as in ``_rank0_outcome``, because trees are refused at
@@ -497,7 +498,7 @@ class DFlashWorker(BaseSpecWorker):
         s, filtered = _batch_sampling(batch.sampling_info, V)
         probs = processed_probs(logits.reshape(bs * N, V), s.repeat_interleave(N), filtered).view(bs, N, V)
         commit_lens, tokens, path = verify_tree_sampled(tree, probs)
-        tree_step.commit_path(req_to_token, batch.req_pool_indices, prefix, path)
+        commit_path(req_to_token, batch.req_pool_indices, prefix, path)
         if not self._logged_sampled_tree:
             sampled = sum(r.sampling_params.top_k != 1 for r in batch.reqs)  # host pass, until logged once
             if sampled:  # SGLang's is_all_greedy is sticky: this path may run with greedy rows only

@@ -8,7 +8,7 @@
   TreeVerify whose kernel mask is the static buffers themselves (the pointers the captured launches keep).
 - ``DFlashWorker._tree_decode_step`` on stand-ins: a graphed step verifies from the static buffers through the tree
   graph runner (no attention call claims the tree in a replay, and that is no error) and commits the accepted path
-  (req_to_token as tree_step.commit_path leaves it); a batch past the captured sizes takes the eager path on the
+  (req_to_token as tree_acceptance.commit_path leaves it); a batch past the captured sizes takes the eager path on the
   step's own tensors; the log counts both.
 """
 
@@ -27,6 +27,7 @@ from sglang_dflash.kernels.block_inputs import block_inputs_torch
 from sglang_dflash.kernels.tree_accept import tree_accept_torch
 from sglang_dflash.serving import tree_step
 from sglang_dflash.serving.tree_graphs import TreeBuffers, TreeVerifyGraphs
+from sglang_dflash.tree_acceptance import commit_path
 
 B, H, V, N = 8, 6, 30, 6
 
@@ -315,7 +316,7 @@ def test_graphed_tree_step_verifies_from_the_static_buffers(built_in_graph, capl
     from sglang_dflash.tree_acceptance import verify_tree_greedy
 
     assert (seen["kid"] > 1).any()  # so the commit is not the identity permutation
-    tree_step.commit_path(before, batch.req_pool_indices, prefix, verify_tree_greedy(tree, seen["logits"])[2])
+    commit_path(before, batch.req_pool_indices, prefix, verify_tree_greedy(tree, seen["logits"])[2])
     assert torch.equal(me.req_to_token_pool.req_to_token, before)  # the step committed the accepted path
     assert me._tree_counts == {"verify graphed": 1, "verify eager": 0, "built in graph": int(built_in_graph),
                                "built eagerly": int(not built_in_graph)}

@@ -5,7 +5,7 @@ sampling info, built as tests/serving/test_worker_accept_cpu.py builds it) and k
 - The step commits exactly what tree_acceptance.verify_tree_sampled draws from the same seed on the target's
   processed probabilities, computed here from our own SamplingParams (sampling.processed_probs), so the worker's
   mapping of SGLang's sampling info and its rule are both checked; the step's outputs are commit_outputs of that
-  commit, and req_to_token is left as tree_step.commit_path leaves it for the drawn path.
+  commit, and req_to_token is left as tree_acceptance.commit_path leaves it for the drawn path.
 - Greedy rows of the mixed batch commit exactly verify_tree_greedy's tokens at every seed.
 - A batch whose rows are all greedy takes the greedy one-launch path even with SGLang's sticky is_all_greedy off.
 - Planted mistakes (the greedy rule for sampled rows, the filters or the temperature ignored) are caught.
@@ -24,7 +24,7 @@ from sglang_dflash.kernels.greedy_accept import commit_outputs  # noqa: E402
 from sglang_dflash.kernels.tree_accept import tree_accept_torch  # noqa: E402
 from sglang_dflash.sampling import SamplingParams, SamplingTensors, processed_probs  # noqa: E402
 from sglang_dflash.serving import tree_step, worker  # noqa: E402
-from sglang_dflash.tree_acceptance import verify_tree_greedy, verify_tree_sampled  # noqa: E402
+from sglang_dflash.tree_acceptance import commit_path, verify_tree_greedy, verify_tree_sampled  # noqa: E402
 
 from .test_tree_graphs_cpu import N, V, _step_stand_in  # noqa: E402
 from .test_worker_accept_cpu import GREEDY, sampling_info  # noqa: E402
@@ -78,7 +78,7 @@ def check_sampled_steps(rows, graphs=None):
         got = (out.next_token_ids, out.next_draft_input.bonus_tokens, out.accept_lens, out.new_seq_lens)
         for name, g, w in zip(("next_ids", "bonus", "accept_lens", "new_seq_lens"), got, want):
             assert g.tolist() == w.tolist(), (name, seed, g, w)
-        tree_step.commit_path(before, pool_rows, prefix, path)
+        commit_path(before, pool_rows, prefix, path)
         assert torch.equal(me.req_to_token_pool.req_to_token, before), f"req_to_token is not commit_path's ({seed})"
         # greedy rows: exactly the greedy tree rule's commit, whatever the sampled rows drew
         g_commit, g_tokens, _ = verify_tree_greedy(tree, target)

@@ -13,7 +13,7 @@ import torch
 from sglang_dflash.draft_tree import DEAD, DraftTree, ancestor_mask, build_draft_tree
 from sglang_dflash.serving import tree_step
 from sglang_dflash.serving.cpu_ops import verify_attention
-from sglang_dflash.tree_acceptance import verify_tree_greedy
+from sglang_dflash.tree_acceptance import commit_path, verify_tree_greedy
 
 from .test_cpu_glue import _naive_attention
 
@@ -39,7 +39,7 @@ def test_commit_path_puts_the_path_slots_first():
     req_to_token = torch.randperm(6 * 40).view(6, 40)
     before = req_to_token.clone()
     pool_rows, prefix = torch.tensor([4, 0, 2]), torch.tensor([5, 11, 0])
-    tree_step.commit_path(req_to_token, pool_rows, prefix, path)
+    commit_path(req_to_token, pool_rows, prefix, path)
     for b in range(3):
         r, p, c = int(pool_rows[b]), int(prefix[b]), int(commit_lens[b])
         old, new = before[r, p:p + size], req_to_token[r, p:p + size]
@@ -59,7 +59,7 @@ def test_commit_path_of_a_chain_changes_nothing():
     path = torch.tensor([[0, 1, 2, -1, -1, -1], [0, -1, -1, -1, -1, -1]])
     req_to_token = torch.randperm(40).view(2, 20)
     before = req_to_token.clone()
-    tree_step.commit_path(req_to_token, torch.tensor([1, 0]), torch.tensor([3, 7]), path)
+    commit_path(req_to_token, torch.tensor([1, 0]), torch.tensor([3, 7]), path)
     assert torch.equal(req_to_token, before) and parents.shape == path.shape
 
 
