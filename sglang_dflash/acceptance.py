@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample_from_probs
+from .sampling import SamplingTensors, sample_from_probs, seeded_sample
 
 
 def _assemble(drafts: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,3 +175,44 @@ def verify_sampled_logits(drafts: torch.Tensor, target_logits: torch.Tensor, tem
     scaled.sub_(race.clamp_min_(torch.finfo(race.dtype).tiny).log_())
     next_token = torch.where(greedy, target_tokens[rows, accepted], scaled.argmax(dim=-1))
     return _assemble(drafts, accepted, next_token)
+
+
+def seeded_targets(target_logits: torch.Tensor, s: SamplingTensors, seeds: torch.Tensor, positions: torch.Tensor,
+                   filtered: bool = True) -> torch.Tensor:
+    """The target's own seeded sample at every verified row: [n, W] token ids, row j of request i drawn by
+    sampling.seeded_sample from its processed distribution with the noise of (seeds[i], positions[i, j]).
+    ``target_logits`` [n, W, V], ``s`` one row per request, ``positions`` [n, W] the rows' sequence positions
+    (a chain: prefix + j; a tree: prefix + depth). THE seeded draw of the worker and the reference engine."""
+    n, w, v = target_logits.shape
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [n] -> [n * w], request-major (no repeat_interleave: capturable)
+        return t[:, None].expand(n, w).reshape(-1)
+
+    rows = SamplingTensors(per_row(s.temperature), per_row(s.top_k), per_row(s.top_p), per_row(s.min_p))
+    return seeded_sample(target_logits.reshape(n * w, v), rows, per_row(seeds), positions.reshape(-1),
+                         filtered).view(n, w)
+
+
+def verify_seeded(drafts: torch.Tensor, target_logits: torch.Tensor, s: SamplingTensors, seeds: torch.Tensor,
+                  prefix: torch.Tensor, filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact and reproducible speculative sampling for seeded requests: draw the target's token X_j at every verified
+    row with the seeded noise of its position (``seeded_targets``), keep the drafts while d_j == X_j, emit X at the
+    first mismatch (or after the last draft): ``verify_greedy_ids(drafts, X)``.
+
+    Lossless: the emitted token at every position is X, the target's own draw from its processed distribution p
+    there (the exponential race), whatever the drafts; the drafts only decide how many positions one verify
+    settles. Reproducible: X at position t is a function of p_t and (seed, t) alone, so the output is the seeded
+    target-only sample stream (the reference engine's generate_target_only with the same seed), whatever the block
+    alignment, the verified width k (the adaptive policy's, which depends on timing), a tree instead of a chain, or
+    the batch. Acceptance: a point-mass draft d is kept with probability P(X = d) = p(d), as verify_sampled keeps
+    it; drafts drawn with the same noise (DFlash2: dflash2.CandidateSelector.walk with seeds) are kept with the
+    coupling's P(argmax q/E = argmax p/E) = sum_x 1 / sum_v max(p_v / p_x, q_v / q_x) (below verify_sampled_q's
+    sum_x min(p, q), above the independent sum_x p q). Why not verify_sampled's rule with seeded coins: its emitted
+    token at a position depends on whether that position had a draft and which (accept coin vs residual draw), so
+    a seeded output would change with k, which the adaptive policy picks from step times.
+
+    ``drafts`` [n, W-1], ``target_logits`` [n, W, V], ``s`` / ``seeds`` one row per request, ``prefix`` [n] the
+    position of each request's row 0 (the bonus token's). Returns (commit_lens, tokens) as verify_sampled."""
+    w = target_logits.shape[1]
+    positions = prefix.to(torch.int64)[:, None] + torch.arange(w, device=target_logits.device)
+    return verify_greedy_ids(drafts, seeded_targets(target_logits, s, seeds, positions, filtered))

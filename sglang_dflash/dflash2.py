@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig
-from .sampling import sample_from_probs
+from .sampling import sample_from_probs, seeded_race
 
 
 class GroupedCausalConv(nn.Module):
@@ -104,10 +104,14 @@ class CandidateSelector(nn.Module):
         return torch.einsum("nr,nkr->nk", query, keys)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
-             temperature: torch.Tensor | None = None, generator: torch.Generator | None = None) -> DraftBlock:
+             temperature: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             seeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DraftBlock:
         """hidden [n, L, H] and draft logits [n, L, V] of positions 1..L, anchor_ids [n] (the bonus tokens),
         temperature [n] (0 = greedy; None = all greedy, no random draws). One step per position, in order: the
-        score of a candidate depends on the token chosen before it."""
+        score of a candidate depends on the token chosen before it. With ``seeds`` [n] (and ``positions`` [n], the
+        bonus token's sequence position) a sampled row's draw at block position i is sampling.seeded_race over its
+        candidates with the noise of (seed, position + i - 1), the noise the target's seeded draw of that position
+        uses (acceptance.verify_seeded): the same draw from q, coupled to the target's."""
         unary, candidates = logits.float().topk(self.top_k, dim=-1)  # [n, L, K], best first
         projected = self.hidden_projection(hidden).float()  # [n, L, r]
         chosen, q_rows, previous = [], [], anchor_ids
@@ -119,7 +123,11 @@ class CandidateSelector(nn.Module):
                 greedy = temperature == 0
                 t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
                 q = torch.where(greedy[:, None], q, torch.softmax(scores / t[:, None], dim=-1))
-                best = sample_from_probs(q, generator)  # a one-hot row draws its own index
+                if seeds is None:
+                    best = sample_from_probs(q, generator)  # a one-hot row draws its own index
+                else:  # log q up to a constant: scores / t; greedy rows keep their argmax
+                    drawn = seeded_race(scores / t[:, None], candidates[:, i], seeds, positions + i)
+                    best = torch.where(greedy, best, drawn)
             previous = candidates[:, i].gather(1, best[:, None])[:, 0]
             chosen.append(previous)
             q_rows.append(q)

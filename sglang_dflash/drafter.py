@@ -252,14 +252,16 @@ class DFlashDrafter(nn.Module):
         return draft_logits(hidden, lm_head_weight, self.config, torch.float32)
 
     def propose(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, anchor_ids: torch.Tensor,
-                temperature: torch.Tensor | None = None, generator: torch.Generator | None = None) -> DraftBlock:
+                temperature: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                seeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DraftBlock:
         """THE draft head: hidden [n, L, H] of block positions 1..L -> the drafted tokens. DFlash: the argmax of the
         draft logits (point masses, whatever the temperature). DFlash2: the selector's path from anchor_ids [n]
-        (the bonus tokens), argmax where temperature [n] is 0 (or None), else drawn from q at that temperature."""
+        (the bonus tokens), argmax where temperature [n] is 0 (or None), else drawn from q at that temperature
+        (with the seeded noise of (seeds, positions + i) where seeds [n] is given: CandidateSelector.walk)."""
         logits = self.draft_logits(hidden, lm_head_weight)
         if self.candidate_selector is None:
             return DraftBlock(logits.argmax(dim=-1))
-        return self.candidate_selector.walk(hidden, logits, anchor_ids, temperature, generator)
+        return self.candidate_selector.walk(hidden, logits, anchor_ids, temperature, generator, seeds, positions)
 
     def block_embeddings(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Rows of the TARGET's embedding table, times the config's input_embedding_scale."""

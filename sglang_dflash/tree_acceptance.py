@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from .acceptance import seeded_targets
 from .draft_tree import DraftTree
-from .sampling import sample_from_probs
+from .sampling import SamplingTensors, sample_from_probs
 
 
 def _commit(tree: DraftTree, last: torch.Tensor, next_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -105,3 +106,14 @@ def commit_path(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, pref
     rank.scatter_(1, torch.where(path >= 0, path, n), torch.arange(n, device=dev).expand(bs, n).contiguous())
     order = rank[:, :n].argsort(dim=1)  # keys are distinct: one permutation per row
     req_to_token[rows, cols] = slots.gather(1, order)
+
+
+def verify_tree_seeded(tree: DraftTree, target_logits: torch.Tensor, s: SamplingTensors, seeds: torch.Tensor,
+                       prefix: torch.Tensor, filtered: bool = True) -> tuple[torch.Tensor, ...]:
+    """acceptance.verify_seeded over a tree: the target's seeded sample X_i at every node (row i sits at position
+    prefix + depth_i, so nodes of one depth share their position's noise: only one of them is ever on the walk),
+    then ``verify_tree_greedy`` against X. The emitted tokens are the seeded target-only stream, as in the chain;
+    a node is kept with probability P(X_parent = its token) = p_parent(token), verify_tree_sampled's total.
+    ``target_logits`` [n, N, V]; ``s`` / ``seeds`` / ``prefix`` [n] one row per request."""
+    positions = prefix.to(torch.int64)[:, None] + tree.depth
+    return verify_tree_greedy(tree, seeded_targets(target_logits, s, seeds, positions, filtered))

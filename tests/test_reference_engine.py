@@ -1,6 +1,7 @@
 """The reference engine is lossless: speculative output == target-only output (greedy: token for token; sampled:
 in distribution), for Llama, Qwen3 and Gemma3 targets, with a drafter that is often right."""
 
+import dataclasses
 import functools
 import itertools
 import types
@@ -202,17 +203,19 @@ def markov_role_names(block: int) -> list[str]:
 
 
 def sampled_distribution_failures(target, drafter, params: SamplingParams, n_requests: int, alpha: float,
-                                  seed: int = 11, tree_size: int | None = None):
+                                  seed: int = 11, tree_size: int | None = None, seeded: bool = False):
     """Run the engine on n_requests random prompts and check every emitted token against the target's exact
     conditional distribution, grouped by its role (the prefill sample, or its block position in its verify step)
     and the Markov state it was drawn in. A role is a function of the tokens before it (a step ends at the first
     emitted token that differs from its draft), so each group is a set of draws from one known distribution.
+    ``seeded``: request i carries SamplingParams.seed = 10^6 + i (the seeded rules; tests/test_seeded_sampling.py).
     Returns ([(role, p-value, draws, df)] failing, [(role, draws, df)] all, commit lengths)."""
     v, block = target.config.vocab_size, drafter.config.block_size
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(v, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n_requests)]
-    results = ReferenceEngine(target, drafter, seed=seed, tree_size=tree_size).generate(prompts, params)
+    per_request = [dataclasses.replace(params, seed=10**6 + i) for i in range(n_requests)] if seeded else params
+    results = ReferenceEngine(target, drafter, seed=seed, tree_size=tree_size).generate(prompts, per_request)
     names = markov_role_names(block)
     counts = torch.zeros(len(names), v + 1, v, v)  # role, previous token, token, next token
     rows = []

@@ -15,6 +15,13 @@ One speculative step, per active request:
 Tree mode (``tree_size`` N): the same drafter pass gives the draft logits of positions 1..B-1, draft_tree builds
 the N-node best-first tree, the target scores all N nodes in one pass under the tree mask (HFTarget.forward_tree),
 tree_acceptance keeps one root path, and only that path's KV rows and context rows are committed.
+
+Seeded requests (``SamplingParams.seed``): every token is the target's seeded draw at its position
+(sampling.seeded_sample), the prefill's and target-only decoding's too, and a step verifies with
+acceptance.verify_seeded / tree_acceptance.verify_tree_seeded (DFlash2 drafts drawn with the same noise), so
+``generate`` and ``generate_target_only`` emit the same tokens for the same seed (up to float rounding of the logits),
+alone or in any batch. A step with a seeded request keys its unseeded sampled requests by fresh random seeds from the
+engine's generator (the same rule, the same law); steps without one are unchanged.
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..acceptance import verify_greedy, verify_sampled, verify_sampled_q
+from ..acceptance import verify_greedy, verify_sampled, verify_sampled_q, verify_seeded
 from ..dflash2 import DraftBlock
 from ..draft_tree import build_draft_tree
 from ..drafter import DFlashDrafter
-from ..sampling import SamplingParams, SamplingTensors, processed_probs, sample_next
-from ..tree_acceptance import verify_tree_greedy, verify_tree_sampled
+from ..sampling import SamplingParams, SamplingTensors, processed_probs, sample_next, seeded_sample
+from ..tree_acceptance import verify_tree_greedy, verify_tree_sampled, verify_tree_seeded
 from .target import HFTarget
 
 
@@ -80,15 +87,17 @@ def draft_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torc
 
 def propose_step(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torch.Tensor],
                  embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, temperature: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None) -> DraftBlock:
+                 generator: torch.Generator | None = None, seeds: torch.Tensor | None = None) -> DraftBlock:
     """THE draft step, one drafter pass for n requests: request i drafts the block [bonus_ids[i], MASK x (B-1)] at
     positions len(contexts[i]).. over its context rows contexts[i] [C_i, H] (from project_context, one per token
     fed so far). Returns the drafts for block positions 1..B-1 (`DFlashDrafter.propose`: greedy, or for a DFlash2
-    drafter drawn from q where temperature [n] > 0). Contexts are right-padded to the longest; padded keys are
+    drafter drawn from q where temperature [n] > 0, with the seeded noise of (seeds[i], len(contexts[i]) + j) at
+    block position j + 1 where seeds [n] is given). Contexts are right-padded to the longest; padded keys are
     invisible, so a request drafts the same tokens alone or in a batch."""
     hidden = block_hidden(drafter, bonus_ids, contexts, embed_weight)
+    positions = None if seeds is None else torch.tensor([len(c) for c in contexts], device=hidden.device)
     return drafter.propose(hidden, lm_head_weight, hidden.new_tensor(bonus_ids, dtype=torch.long), temperature,
-                           generator)
+                           generator, seeds, positions)
 
 
 def block_hidden(drafter: DFlashDrafter, bonus_ids: list[int], contexts: list[torch.Tensor],
@@ -151,21 +160,24 @@ class ReferenceEngine:
                 r.fed += 1
                 r.forwards += 1
                 r.commit_lens.append(1)
-                r.emit(self._sample([r], logits[-1:]))
+                r.emit(self._sample([r], logits[-1:], r.fed - 1))
         return [r.result() for r in reqs]
 
     # ---------------------------------------------------------------- the step
     def _speculative_step(self, reqs: list[_Request]) -> None:
         if self.tree_size is not None:
             return self._tree_step(reqs)
-        draft = self._draft(reqs)  # tokens [n, B-1] (+ DFlash2's q over its candidates)
+        seeds = self._seeds(reqs)
+        # tokens [n, B-1] (+ DFlash2's q over its candidates); a one-argument call where nothing is seeded (tests
+        # record the drafts by wrapping _draft)
+        draft = self._draft(reqs) if seeds is None else self._draft(reqs, seeds)
         logits, features = [], []
         for r, d in zip(reqs, draft.tokens.tolist()):
             lg, ft = self.target.forward([r.out[-1], *d], r.fed, r.cache)
             r.forwards += 1
             logits.append(lg)
             features.append(ft)
-        commit_lens, tokens = self._verify(reqs, draft, torch.stack(logits))
+        commit_lens, tokens = self._verify(reqs, draft, torch.stack(logits), seeds)
         for r, n, toks, ft in zip(reqs, commit_lens.tolist(), tokens.tolist(), features):
             r.cache.crop(r.fed + n)  # keep KV of [bonus, d_1..d_{n-1}]; the rejected tail is dropped
             r.context = torch.cat([r.context, self.drafter.project_context(ft[:n])])
@@ -189,8 +201,12 @@ class ReferenceEngine:
             logits.append(lg)
             features.append(ft)
         logits = torch.stack(logits)
+        seeds = self._seeds(reqs)
         if all(r.params.greedy for r in reqs):
             commit_lens, tokens, path = verify_tree_greedy(tree, logits)
+        elif seeds is not None:
+            s = SamplingTensors.from_params([r.params for r in reqs], logits.shape[-1], logits.device)
+            commit_lens, tokens, path = verify_tree_seeded(tree, logits, s, seeds, self._fed(reqs))
         else:
             n, size, v = logits.shape
             s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device).repeat_interleave(size)
@@ -204,19 +220,39 @@ class ReferenceEngine:
             r.commit_lens.append(n)
             r.emit(toks[:n])
 
-    def _draft(self, reqs: list[_Request]) -> DraftBlock:
+    def _draft(self, reqs: list[_Request], seeds: torch.Tensor | None = None) -> DraftBlock:
         """One drafter pass for all requests: block [bonus, MASK...] -> drafts for positions 1..B-1 (a DFlash2
-        drafter draws a sampled request's drafts from q at the request's temperature; greedy ones take the argmax)."""
+        drafter draws a sampled request's drafts from q at the request's temperature, with the seeded noise where
+        ``seeds`` is given; greedy ones take the argmax)."""
         temperature = None
         if not all(r.params.greedy for r in reqs):
             temperature = torch.tensor([r.params.temperature for r in reqs], device=self.target.device)
         return propose_step(self.drafter, [r.out[-1] for r in reqs], [r.context for r in reqs],
-                            self.target.embed_weight, self.target.lm_head_weight, temperature, self.generator)
+                            self.target.embed_weight, self.target.lm_head_weight, temperature, self.generator, seeds)
 
-    def _verify(self, reqs, draft: DraftBlock, logits):
+    def _seeds(self, reqs: list[_Request]) -> torch.Tensor | None:
+        """[n] int64 draw keys of a step with a seeded sampled request: each request's seed, a fresh random one from
+        the engine's generator for the others (their draws stay random, by the same rule). None otherwise: the
+        step keeps the generator's rules (verify_sampled, verify_sampled_q, verify_tree_sampled)."""
+        if not any(r.params.seed is not None and not r.params.greedy for r in reqs):
+            return None
+        fresh = torch.randint(0, 1 << 62, (len(reqs),), generator=self.generator, device=self.target.device)
+        given = torch.tensor([r.params.seed if r.params.seed is not None else 0 for r in reqs],
+                             device=self.target.device)
+        mine = torch.tensor([r.params.seed is not None for r in reqs], device=self.target.device)
+        return torch.where(mine, given, fresh)
+
+    def _fed(self, reqs: list[_Request]) -> torch.Tensor:
+        """[n] the bonus tokens' sequence positions (the position of each request's verify row 0)."""
+        return torch.tensor([r.fed for r in reqs], device=self.target.device)
+
+    def _verify(self, reqs, draft: DraftBlock, logits, seeds: torch.Tensor | None = None):
         if all(r.params.greedy for r in reqs):
             return verify_greedy(draft.tokens, logits)
         n, b, v = logits.shape
+        if seeds is not None:
+            s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device)
+            return verify_seeded(draft.tokens, logits, s, seeds, self._fed(reqs))
         # The definition path on purpose, for every batch: this engine is the reference the server is compared with,
         # and the server's faster rule for unfiltered batches (verify_sampled_logits) is tested against this one's law
         s = SamplingTensors.from_params([r.params for r in reqs], v, logits.device).repeat_interleave(b)
@@ -240,10 +276,17 @@ class ReferenceEngine:
             r.fed, r.forwards = len(r.prompt), 1
             if with_context:
                 r.context = self.drafter.project_context(features)
-            r.emit(self._sample([r], logits[-1:]))
+            r.emit(self._sample([r], logits[-1:], len(r.prompt) - 1))
             reqs.append(r)
         return reqs
 
-    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor, position: int) -> list[int]:
+        """One token per request from its row of logits, which the token at sequence position ``position`` scored
+        (seeded requests: the seeded draw of that position)."""
         s = SamplingTensors.from_params([r.params for r in reqs], logits.shape[-1], logits.device)
+        seed = reqs[0].params.seed if len(reqs) == 1 and not reqs[0].params.greedy else None
+        if seed is not None:
+            dev = logits.device
+            return seeded_sample(logits, s, torch.tensor([seed], device=dev), torch.tensor([position], device=dev)
+                                 ).tolist()
         return sample_next(logits, s, self.generator).tolist()

@@ -65,15 +65,18 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(cfg)
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, temperature: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> DraftBlock:
+                generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> DraftBlock:
         """The draft head: hidden [bs * (B-1), H] (positions 1..B-1 of each block), anchor_ids [bs] (the bonus
-        tokens), temperature [bs] (0 or None: greedy) -> DraftBlock of [bs, B-1] tokens (+ candidates and q)."""
+        tokens), temperature [bs] (0 or None: greedy) -> DraftBlock of [bs, B-1] tokens (+ candidates and q);
+        seeds / positions [bs]: the seeded draws (dflash2.CandidateSelector.walk)."""
         if self.vocab.head_sharded:
             raise ValueError(f"DFlash2's selector needs the whole vocabulary's draft logits, but this rank's lm_head "
                              f"holds {self.vocab.head_rows[1]} of {self.dflash.vocab_size} rows. Fix: serve "
                              "DFlash2 drafters without tensor parallelism (not supported yet)")
         hidden = hidden.view(anchor_ids.shape[0], -1, hidden.shape[-1])
-        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor_ids, temperature, generator)
+        return self.candidate_selector.walk(hidden, self.draft_logits(hidden), anchor_ids, temperature, generator,
+                                            seeds, positions)
 
     def greedy_drafts(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The worker's draft head for batches of greedy requests (and the one the draft CUDA graphs record): the

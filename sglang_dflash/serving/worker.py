@@ -37,6 +37,13 @@ or past their batch sizes, either part runs eagerly. An all-greedy batch's accep
 outputs are one launch on the GPU (kernels/tree_accept.py), as the chain's greedy accept is; a batch with sampled rows
 takes the sampled tree rule in torch (``_tree_accept_sampled``).
 
+Seeded sampling (issue #46 item 3, seeds.py): while a live request has a ``sampling_seed``, sampled steps draw with
+counter-based noise keyed by (seed, position) instead of the global generator: the target's own seeded sample X at
+every verified row (acceptance.seeded_targets), then the greedy accept against X (the same one-launch kernels, chain
+or tree), DFlash2 drafts drawn with the same noise; the prefill's token of a seeded request is drawn again the same
+way (``_seeded_first_tokens``). A seeded request's output is then its seeded target-only stream whatever the widths,
+trees and batches (acceptance.verify_seeded). Unseeded rows of such steps get random keys (same rule, same law).
+
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
 the tree switch on, a tree step may read the requests' top_k on the host (``tree_step.all_greedy``), and an eager
@@ -49,12 +56,12 @@ import logging
 
 import torch
 
-from ..acceptance import verify_sampled, verify_sampled_logits, verify_sampled_q
+from ..acceptance import seeded_targets, verify_sampled, verify_sampled_logits, verify_sampled_q
 from ..dflash2 import DraftBlock
 from ..kernels.block_inputs import block_inputs_torch
 from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_accept
 from ..kernels.tree_accept import tree_accept_torch
-from ..sampling import SamplingTensors, processed_probs
+from ..sampling import SamplingTensors, processed_probs, seeded_sample
 from ..tree_acceptance import commit_path, verify_tree_sampled
 from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
@@ -62,6 +69,7 @@ from .controls import SamplingControls
 from .kernel_warmup import warm_kv_slot_kernels, warm_tree_accept
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit, install_replay_pool_hook
+from .seeds import RequestSeeds
 from .startup import DFlashStartupError, load_draft_config
 from .tree_graphs import TreeBuffers, TreeVerifyGraphs, capture_sizes
 from .verify_widths import VerifyWidths
@@ -215,6 +223,8 @@ class DFlashWorker(BaseSpecWorker):
         # per-request sampling controls, one row per request slot of the shared req_to_token pool
         self._controls = SamplingControls(req_to_token_pool.req_to_token.shape[0],
                                           self.model_runner.model_config.vocab_size, self.device)
+        self._seeds = RequestSeeds(req_to_token_pool.req_to_token.shape[0], self.device)  # sampling_seed per slot
+        self._logged_first_token_skip = False
         # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token
         warm_kv_slot_kernels(req_to_token_pool.req_to_token, self._block_ids.shape[0])
         warm_tree_accept(self._tree_size, req_to_token_pool.req_to_token)  # and ours, with trees on
@@ -338,6 +348,9 @@ class DFlashWorker(BaseSpecWorker):
         pos = _extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
         self.draft_model.write_context_kv(features, pos, batch.out_cache_loc, self.draft_runner.token_to_kv_pool)
         out.logits_output.hidden_states = None  # never ship [N, K*H] to the host
+        seeded = self._seeds.on_prefill(batch)
+        if seeded is not None:
+            out.next_token_ids = self._seeded_first_tokens(batch, out, seeded)
         # SGLang's sampler applied the prefill's controls; from here on they are ours, per request slot
         self._controls.on_prefill(batch, out.next_token_ids)
         out.new_seq_lens = batch.seq_lens
@@ -375,13 +388,14 @@ class DFlashWorker(BaseSpecWorker):
         #    masses, except a DFlash2 drafter's for sampled rows, drawn from its selector's q (kept for the accept)
         block_lens = None  # host-side lengths of a full block: the draft's, and the full-width verify's
         draft = None
+        keys = self._step_keys(batch)  # the draws' keys while a live request has a seed (seeds.py), else None
         if k > 0:
             block_lens = self._host_lens(batch, state, B)
             verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
             block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs, verify_ids)
             with _phase("dflash.draft"):
                 draft = self._draft(batch, block_ids, positions, cache_loc, prefix, block_lens, bs, k,
-                                    self._draft_temperature(batch))
+                                    self._draft_temperature(batch), keys)
             verify_ids[:, 1:] = draft.tokens
             # contiguous: a [bs, W] slice of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
             positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
@@ -406,7 +420,7 @@ class DFlashWorker(BaseSpecWorker):
             logits, pending = self._controls.process(batch, logits.view(bs, W, -1), verify_ids, grammar_chain,
                                                      grammar_barrier)
             commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens = self._accept(batch, verify_ids, logits,
-                                                                                          prefix, draft)
+                                                                                          prefix, draft, keys)
             self._controls.commit(pending, tokens, commit_lens)
         # 4) commit: the verified rows' target K/V and draft context K/V are written (by the verify forward); a
         #    hybrid target's recurrent state is set to the state after the committed tokens; publish
@@ -472,7 +486,7 @@ class DFlashWorker(BaseSpecWorker):
                     logits.view(bs, N, -1).argmax(dim=-1), tree, prefix, batch.req_pool_indices, req_to_token)
             else:
                 next_ids, bonus, accept_lens, new_seq_lens = self._tree_accept_sampled(
-                    batch, logits.view(bs, N, -1), tree, prefix, req_to_token)
+                    batch, logits.view(bs, N, -1), tree, prefix, req_to_token, self._step_keys(batch))
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._control.step_end()
@@ -481,7 +495,7 @@ class DFlashWorker(BaseSpecWorker):
             next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=N, new_seq_lens=new_seq_lens, can_run_cuda_graph=graphed)
 
-    def _tree_accept_sampled(self, batch, logits, tree, prefix, req_to_token):
+    def _tree_accept_sampled(self, batch, logits, tree, prefix, req_to_token, keys=None):
         """A tree step's accept for a batch with sampled rows: (next_ids, bonus, accept_lens, new_seq_lens).
 
         The target's processed distribution at every node (``logits`` [bs, N, V]: row i scores node i's children),
@@ -495,16 +509,19 @@ class DFlashWorker(BaseSpecWorker):
         --tp-size > 1 at start-up (startup.check_tree), as are DFlash2 drafters (so every node is a point-mass
         draft, the case verify_tree_sampled serves)."""
         bs, N, V = logits.shape
-        s, filtered = _batch_sampling(batch.sampling_info, V)
-        probs = processed_probs(logits.reshape(bs * N, V), s.repeat_interleave(N), filtered).view(bs, N, V)
-        commit_lens, tokens, path = verify_tree_sampled(tree, probs)
-        commit_path(req_to_token, batch.req_pool_indices, prefix, path)
         if not self._logged_sampled_tree:
             sampled = sum(r.sampling_params.top_k != 1 for r in batch.reqs)  # host pass, until logged once
             if sampled:  # SGLang's is_all_greedy is sticky: this path may run with greedy rows only
                 self._logged_sampled_tree = True
-                logger.info("sglang-dflash: first sampled tree step (%d nodes, batch of %d, %d sampled rows)", N, bs,
-                            sampled)
+                logger.info("sglang-dflash: first sampled tree step (%d nodes, batch of %d, %d sampled rows%s)", N,
+                            bs, sampled, ", seeded draws" if keys is not None else "")
+        s, filtered = _batch_sampling(batch.sampling_info, V)
+        if keys is not None:  # seeded (seeds.py): tree_acceptance.verify_tree_seeded, the greedy launch on X
+            target_ids = seeded_targets(logits, s, keys, prefix.to(torch.int64)[:, None] + tree.depth, filtered)
+            return self._tree_accept(target_ids, tree, prefix, batch.req_pool_indices, req_to_token)[2:]
+        probs = processed_probs(logits.reshape(bs * N, V), s.repeat_interleave(N), filtered).view(bs, N, V)
+        commit_lens, tokens, path = verify_tree_sampled(tree, probs)
+        commit_path(req_to_token, batch.req_pool_indices, prefix, path)
         return commit_outputs(commit_lens, tokens, prefix)
 
     def _count_tree_step(self, bs, graphed, built_in_graph):
@@ -559,10 +576,11 @@ class DFlashWorker(BaseSpecWorker):
         # which the argmax path drafts best
         return torch.where(info.top_ks.reshape(-1) <= 1, 0.0, info.temperatures.reshape(-1).float())
 
-    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k, temperature):
+    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k, temperature, keys=None):
         """The drafts of block positions 1..k (the pass itself always covers the whole block), a DraftBlock of [bs, k]
         tokens: point masses where temperature (``_draft_temperature``) is None; else the DFlash2 selector's path,
-        drawn from q at each row's temperature, with the candidates and q the accept needs."""
+        drawn from q at each row's temperature, with the candidates and q the accept needs (with the seeded noise
+        of (keys, prefix + i) where the step has keys: ``_step_keys``)."""
         out = self._draft_forward(batch, block_ids, positions, cache_loc, prefix, host_lens, bs)
         graph_head = (out.can_run_graph
                       and getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None) in self._graph_head_bs)
@@ -583,11 +601,14 @@ class DFlashWorker(BaseSpecWorker):
         if not self._logged_q_drafts:
             self._logged_q_drafts = True
             logger.info("sglang-dflash: DFlash2 drafts of sampled requests drawn from the selector's q, verified with "
-                        "min(1, p/q) (draft head eager in these steps)")
+                        "min(1, p/q), or against the target's own draw where the step is seeded (draft head eager in "
+                        "these steps)")
         # THE draft head of the reference engine (DFlashDrafter.propose: CandidateSelector.walk), one definition. The
         # draws are this rank's own: DFlash2 is refused at --tp-size > 1 (startup.py), where ranks would verify
         # different drafts
-        return self.draft_model.propose(hidden, anchors, temperature)
+        if keys is None:
+            return self.draft_model.propose(hidden, anchors, temperature)
+        return self.draft_model.propose(hidden, anchors, temperature, None, keys, prefix)
 
     def _draft_forward(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs):
         """The drafter's one pass over the blocks [bonus, MASK x (B-1)] (a TARGET_VERIFY-shaped batch, the draft
@@ -625,13 +646,20 @@ class DFlashWorker(BaseSpecWorker):
         lo.hidden_states = None  # consumed inside the forward; never shipped to the host
         return lo.next_token_logits[:bs * width], graphed
 
-    def _accept(self, batch, verify_ids, logits, prefix, draft):
+    def _accept(self, batch, verify_ids, logits, prefix, draft, keys=None):
         """(commit_lens, tokens, next_ids, bonus, accept_lens, new_seq_lens) of the step: the acceptance rule, then
         the outputs SGLang's scheduler reads (kernels/greedy_accept.commit_outputs defines them). ``draft``: the
-        step's DraftBlock (None at k = 0); its q, when set, is the distribution the drafts were drawn from."""
+        step's DraftBlock (None at k = 0); its q, when set, is the distribution the drafts were drawn from.
+        ``keys`` ([bs], ``_step_keys``): a seeded step, acceptance.verify_seeded: the target's seeded sample X of
+        every verified row, then the greedy accept against X (its one launch on the GPU)."""
         info = batch.sampling_info
-        if info is None or info.is_all_greedy:  # the rule and the outputs in one launch on the GPU
-            target_ids = logits.argmax(dim=-1)
+        if info is None or info.is_all_greedy or keys is not None:  # the rule and the outputs in one launch on GPU
+            if keys is None:
+                target_ids = logits.argmax(dim=-1)
+            else:
+                s, filtered = _batch_sampling(info, logits.shape[-1])
+                rows = prefix.to(torch.int64)[:, None] + torch.arange(logits.shape[1], device=prefix.device)
+                target_ids = self._rank0_ids(seeded_targets(logits, s, keys, rows, filtered))
             if verify_ids.shape[1] == 1:  # k = 0: the argmax is the commit; cheaper than any kernel launch
                 return plain_accept(target_ids, prefix)
             return self._greedy_accept(target_ids, verify_ids[:, 1:], prefix)
@@ -650,6 +678,45 @@ class DFlashWorker(BaseSpecWorker):
         packed = torch.cat([commit_lens.to(torch.int64)[:, None], tokens.to(torch.int64)], dim=1)
         group.broadcast(packed, src=0)
         return packed[:, 0].to(commit_lens.dtype), packed[:, 1:].to(tokens.dtype)
+
+    def _rank0_ids(self, target_ids):
+        """Tensor parallelism, seeded steps: every rank takes rank 0's seeded samples [bs, W] (its unseeded rows'
+        random keys are rank 0's), one broadcast; then the greedy accept agrees by construction."""
+        if self._tp_group is not None:
+            self._tp_group.broadcast(target_ids, src=0)
+        return target_ids
+
+    def _step_keys(self, batch):
+        """The draw keys of a decode step ([bs] int64, seeds.RequestSeeds.keys) when it samples and a live request
+        has a seed; None otherwise (all-greedy steps, or no seeded request: the generator's rules, as before)."""
+        info = batch.sampling_info
+        if info is None or info.is_all_greedy:
+            return None
+        return self._seeds.keys(batch)
+
+    def _seeded_first_tokens(self, batch, out, seeded):
+        """The prefill's tokens with each seeded sampled row's drawn again by sampling.seeded_sample with the noise of
+        (seed, seq_len - 1), the position of the last prompt token (the decode steps' convention), so the first
+        output token is reproducible too. SGLang's sampler has left softmax(logits / T) in next_token_logits (after
+        penalties, logit_bias and the grammar mask, in place: its standard path), so the draw runs on their log at
+        temperature 1 with each row's top-k, top-p, min-p. Where that does not hold (an all-greedy batch, a
+        sampler of another kind, SGLang's RL on-policy path) or the batch returns logprobs (they were computed for
+        SGLang's token), SGLang's token stays: seeded by SGLang under --enable-deterministic-inference, random
+        without (logged once)."""
+        info, probs = batch.sampling_info, out.logits_output.next_token_logits
+        if info is None or info.is_all_greedy or probs is None or batch.return_logprob or not _probs_after_sampling(
+                self.model_runner):
+            if not self._logged_first_token_skip:
+                self._logged_first_token_skip = True
+                logger.info("sglang-dflash: a seeded request's first token is SGLang's own draw (logprobs requested "
+                            "or a sampler path that keeps no probabilities): reproducible only under "
+                            "--enable-deterministic-inference")
+            return out.next_token_ids
+        s, filtered = _batch_sampling(info, probs.shape[-1])
+        s = SamplingTensors(torch.ones_like(s.temperature), s.top_k, s.top_p, s.min_p)  # probs are tempered already
+        drawn = seeded_sample(probs.float().log(), s, self._seeds.of(batch), batch.seq_lens.to(torch.int64) - 1,
+                              filtered)
+        return torch.where(seeded, drawn.to(out.next_token_ids.dtype), out.next_token_ids)
 
     def _sampled(self, info, drafts, logits, drawn_from=None):
         """The sampled rule for the batch: point-mass drafts (drawn_from None) by verify_sampled(_logits); drafts
@@ -678,6 +745,16 @@ def _batch_sampling(info, vocab: int) -> tuple[SamplingTensors, bool]:
                         top_p=info.top_ps.reshape(-1).float(), min_p=info.min_ps.reshape(-1).float())
     # SGLang's host-side flags say whether any row filters (greedy rows, top_k = 1, count as filtering)
     return s, bool(info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling)
+
+
+def _probs_after_sampling(model_runner) -> bool:
+    """Whether SGLang's sampler leaves softmax(logits / T) in next_token_logits after a sampled batch: its own
+    Sampler's standard path (not Ascend's, not the RL on-policy one, whose logits stay as they were)."""
+    from sglang.srt.layers.sampler import Sampler
+
+    sampler = getattr(model_runner, "sampler", None)
+    return (type(sampler) is Sampler and not getattr(sampler, "use_ascend_backend", False)
+            and not getattr(sampler, "use_log_softmax_logprob", False))
 
 
 def _extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:

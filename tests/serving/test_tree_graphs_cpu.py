@@ -239,6 +239,10 @@ def _step_stand_in(bs: int, graphs_max_bs: int | None, built_in_graph: bool, sam
                          _graph_tree_bs={bs} if built_in_graph else set(),
                          model_runner=SimpleNamespace(decode_cuda_graph_runner="chain graphs", attn_backend="chain"))
     me.draft_runner = SimpleNamespace(decode_cuda_graph_runner=SimpleNamespace(bs=bs))
+    from sglang_dflash.serving.seeds import RequestSeeds
+
+    me._seeds = RequestSeeds(req_to_token.shape[0], "cpu")  # no seeded request: the generator's rules
+    me._step_keys = types.MethodType(worker.DFlashWorker._step_keys, me)
     me._tree_buffers = TreeBuffers(8, N, "cpu") if graphs_max_bs is not None else None
     me._tree_graphs = None
     if graphs_max_bs is not None:
