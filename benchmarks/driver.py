@@ -110,6 +110,10 @@ def method_variant(method: str) -> tuple[str, dict]:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class NoRecording(RuntimeError):
+    """An -oracle method with no recording to run on (no --oracle-drafts, and this run's none left no outputs)."""
+
+
 class PresetRefused(RuntimeError):
     """The launch preset will not build a command for this method (e.g. its BUILTIN_OK=0); the message is its own."""
 
@@ -212,8 +216,8 @@ def oracle_recording(args) -> Path:
     path, plain = out / "oracle-recording.json", out / "none.outputs.jsonl.gz"
     if not path.exists():
         if not plain.exists():
-            raise SystemExit(f"oracle methods need a recording: --oracle-drafts FILE, or run `none` first in this "
-                             f"run ({plain} is missing)")
+            raise NoRecording(f"no oracle recording: pass --oracle-drafts FILE, or run `none` first in this run "
+                              f"({plain} is missing)")
         from sglang_dflash.serving.oracle_drafts import record
 
         print(f"[driver] oracle recording {path} from {plain}: {record(plain, path)}", flush=True)
@@ -254,6 +258,9 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
         env = server_env(args, method)
     except PresetRefused as e:
         write_skip(out, method, f"the preset refuses it: {e}")
+        return
+    except NoRecording as e:
+        write_skip(out, method, str(e))
         return
     var = args.worker_env.partition("=")[0]
     shown_env = f"{var}={env[var]} " if var in env else (f"(unset {var}) " if base == "ours" else "")

@@ -277,5 +277,23 @@ def test_driver_oracle_methods():
         driver.method_variant("none-oracle")
 
 
+
+def test_driver_records_from_the_plain_run_and_sets_the_switches(tmp_path, monkeypatch):
+    from benchmarks import driver
+
+    args = driver.parser().parse_args(["--target", "t", "--draft", "d", "--out", str(tmp_path), "--dummy"])
+    with pytest.raises(driver.NoRecording, match="run `none` first"):
+        driver.server_env(args, "ours-oracle")
+    with gzip.open(tmp_path / "none.outputs.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"dataset": "random", "uid": 0, "prompt": [3, 4], "ids": [5, 6, 7]}) + "\n")
+    monkeypatch.setenv(settings.ORACLE_DRAFTS, "/elsewhere.json")  # never inherited by a server
+    env = driver.server_env(args, "ours-fixed-oracle")
+    assert env[settings.ORACLE_DRAFTS] == str(tmp_path / "oracle-recording.json")
+    assert env[settings.ORACLE_PROFILE] == "tau:6.5,seed:0" and env[settings.ADAPTIVE] == "0"
+    assert env[settings.DUMMY_WEIGHTS] == "model"
+    for method in ("none", "ours", "builtin"):
+        assert settings.ORACLE_DRAFTS not in driver.server_env(args, method)
+
+
 if __name__ == "__main__" and "--interpret" in sys.argv:
     print_interpreted(_kernel_vs_twin)
