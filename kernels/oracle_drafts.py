@@ -69,7 +69,7 @@ def _oracle_kernel(ids_ptr, ids_stride, k, prefix_ptr, pool_rows_ptr, slot_row_p
     bonus = tl.load(ids_ptr + r * ids_stride)
     diverged = in_rec & (rec_bonus != bonus)
     tl.atomic_min(div_first_ptr + row, t, mask=diverged)
-    tl.atomic_add(div_count_ptr + row, tl.full((), 1, tl.int64), mask=diverged)
+    tl.atomic_add(div_count_ptr + row, t * 0 + 1, mask=diverged)  # an int64 one
     offs = tl.arange(0, BLOCK)
     pos = t + 1 + offs
     cover = has & (offs < k) & (pos >= 0) & (pos < length)

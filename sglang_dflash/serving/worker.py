@@ -37,6 +37,10 @@ or past their batch sizes, either part runs eagerly. An all-greedy batch's accep
 outputs are one launch on the GPU (kernels/tree_accept.py), as the chain's greedy accept is; a batch with sampled rows
 takes the sampled tree rule in torch (``_tree_accept_sampled``).
 
+Oracle drafts (SGLANG_DFLASH_ORACLE_DRAFTS, benchmarks on random weights only; oracle_drafts.py): after the
+drafter's real pass (after its graph replay, outside the graph) one launch replaces the chain's drafts by the plain
+run's recorded continuation, cut at the misses of a stated profile; the verify still decides what is committed.
+
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
 the tree switch on, a tree step may read the requests' top_k on the host (``tree_step.all_greedy``), and an eager
