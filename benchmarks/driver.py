@@ -19,6 +19,14 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   (``SGLANG_DFLASH_TREE=N``; issue #38);
 - ``ours-adaptive-tree<N>``: ours (adaptive) with the tree of N nodes as one more shape: the policy chooses per step
   among k = 0, the chain widths and the tree (issue #38 item 4);
+- ``<ours method>-oracle`` (``ours-oracle``, ``ours-fixed-oracle``, ``ours-k<N>-oracle``, ...): that method with
+  oracle drafts (issue #45, benchmarks only, needs ``--dummy``; ``SGLANG_DFLASH_ORACLE_DRAFTS``,
+  sglang_dflash/serving/oracle_drafts.py): the drafter's real pass, then its drafts replaced by plain decoding's
+  recorded greedy continuation cut at the misses of ``--oracle-profile`` (default tau:6.5), so the step costs are
+  real and the acceptance is the stated one. The recording is ``--oracle-drafts``, or recorded from this run's
+  ``none`` outputs (``OUT/none.outputs.jsonl.gz`` -> ``OUT/oracle-recording.json``; run ``none`` first). The
+  builtin has no oracle form (the plugin refuses it: no clean hook into its draft); its row of such a run is its
+  random-weight step cost, a projection;
 - ``<method>-rerun``: the same server as ``<method>``, run again under its own name. ``--bracket`` appends the
   first method's rerun after all the others, so the report's ``<first>-rerun/<first>`` column is the run's own drift:
   on a host-bound target, plain decoding alone moved by up to 1.7x between runs in one loan, and the first server on
@@ -65,6 +73,10 @@ PLUGIN_CHECK = (
     "print(eps[0].name, eps[0].value)\n")
 
 
+ORACLE = "-oracle"  # a method name's suffix: oracle drafts (issue #45)
+ORACLE_RECORDING = "<oracle recording>"  # stands for the run's recording in method_variant's environment
+
+
 def method_variant(method: str) -> tuple[str, dict]:
     """(base method, extra environment) of a method name: ``ours-fixed`` / ``ours-k<N>`` are ours with controls,
     ``ours-tree<N>`` is ours-fixed verifying a draft tree of N nodes (``SGLANG_DFLASH_TREE``),
@@ -72,6 +84,12 @@ def method_variant(method: str) -> tuple[str, dict]:
     ``<method>`` again."""
     if method.endswith(RERUN):
         return method_variant(method[:-len(RERUN)])
+    if method.endswith(ORACLE):  # the recording's path is resolved per run (server_env)
+        base, extra = method_variant(method[:-len(ORACLE)])
+        if base != "ours":
+            raise SystemExit(f"{method}: oracle drafts exist for our worker's methods only (ours, ours-fixed, "
+                             f"ours-k<N>{ORACLE}); the builtin's row of an oracle run is its step-cost projection")
+        return base, {**extra, settings.ORACLE_DRAFTS: ORACLE_RECORDING}
     if method == "ours-fixed":
         return "ours", {settings.ADAPTIVE: "0"}
     m = re.fullmatch(r"ours-k(\d+)", method)
@@ -90,6 +108,10 @@ def method_variant(method: str) -> tuple[str, dict]:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class NoRecording(RuntimeError):
+    """An -oracle method with no recording to run on (no --oracle-drafts, and this run's none left no outputs)."""
 
 
 class PresetRefused(RuntimeError):
@@ -160,7 +182,12 @@ def server_argv(args, method: str) -> list[str]:
 def server_env(args, method: str) -> dict:
     method, extra = method_variant(method)
     env = dict(os.environ)
+    for var in (settings.ORACLE_DRAFTS, settings.ORACLE_PROFILE):  # never inherited: only -oracle methods get them
+        env.pop(var, None)
     env.update(extra)
+    if extra.get(settings.ORACLE_DRAFTS) == ORACLE_RECORDING:
+        env[settings.ORACLE_DRAFTS] = str(oracle_recording(args))
+        env[settings.ORACLE_PROFILE] = args.oracle_profile
     env["PYTHONUNBUFFERED"] = "1"
     if args.dummy and not args.sglang_dummy_weights:  # every method serves the same context-dependent target
         env[settings.DUMMY_WEIGHTS] = "model"
@@ -179,6 +206,22 @@ def server_env(args, method: str) -> dict:
             else:
                 env[k] = v
     return env
+
+
+def oracle_recording(args) -> Path:
+    """--oracle-drafts, or OUT/oracle-recording.json recorded from this run's plain outputs (once)."""
+    if args.oracle_drafts:
+        return Path(args.oracle_drafts)
+    out = Path(args.out)
+    path, plain = out / "oracle-recording.json", out / "none.outputs.jsonl.gz"
+    if not path.exists():
+        if not plain.exists():
+            raise NoRecording(f"no oracle recording: pass --oracle-drafts FILE, or run `none` first in this run "
+                              f"({plain} is missing)")
+        from sglang_dflash.serving.oracle_drafts import record
+
+        print(f"[driver] oracle recording {path} from {plain}: {record(plain, path)}", flush=True)
+    return path
 
 
 def ours_available(python: str) -> tuple[bool, str]:
@@ -216,9 +259,13 @@ def run_method(args, method: str, bench_argv: list[str], out: Path, driver_info:
     except PresetRefused as e:
         write_skip(out, method, f"the preset refuses it: {e}")
         return
+    except NoRecording as e:
+        write_skip(out, method, str(e))
+        return
     var = args.worker_env.partition("=")[0]
     shown_env = f"{var}={env[var]} " if var in env else (f"(unset {var}) " if base == "ours" else "")
-    shown_env += "".join(f"{k}={v} " for k, v in method_variant(method)[1].items())
+    shown = list(method_variant(method)[1]) + ([settings.ORACLE_PROFILE] if settings.ORACLE_PROFILE in env else [])
+    shown_env += "".join(f"{k}={env[k]} " for k in shown)
     cmd = shown_env + " ".join(map(shlex.quote, argv))
     driver_info["server_commands"][method] = cmd
     srv = Server(argv, out / f"{method}.server.log", args.port, args.host, env)
@@ -288,6 +335,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sglang-dummy-weights", action="store_true",
                    help="with --dummy: keep SGLang's own dummy weights (default: SGLANG_DFLASH_DUMMY_WEIGHTS=model "
                         "for every server, weights scaled like a model's, so greedy outputs depend on the context)")
+    p.add_argument("--oracle-drafts", default=None,
+                   help="recording for the -oracle methods (default: OUT/oracle-recording.json, recorded from this "
+                        "run's none outputs; sglang_dflash.serving.oracle_drafts record)")
+    p.add_argument("--oracle-profile", default="tau:6.5,seed:0",
+                   help="SGLANG_DFLASH_ORACLE_PROFILE of the -oracle methods (geometric:P or tau:T, seed:S)")
     p.add_argument("--title", default=None)
     return p
 
@@ -319,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         method_variant(m)  # an unknown name stops the run before any server starts
+    if any(m.endswith(ORACLE) or m.endswith(ORACLE + RERUN) for m in methods) and not args.dummy:
+        raise SystemExit("-oracle methods run on random weights only: add --dummy (the servers refuse them otherwise)")
     if args.bracket and methods and not methods[0].endswith(RERUN):
         methods.append(methods[0] + RERUN)
     for m in methods:

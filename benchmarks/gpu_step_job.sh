@@ -53,6 +53,12 @@
 #                                                                                     -> $JOB/floor-<shape>
 #          Two shapes side by side on a two-GPU machine: one job per GPU, each with its own JOB and PORT, e.g.
 #          CUDA_VISIBLE_DEVICES=1 JOB=/tmp/job1 PORT=30001 PHASES=floor FLOOR_SHAPE=... bash benchmarks/gpu_step_job.sh
+#   oracle issue #45 item 2: real speedups at a stated acceptance, Qwen3-8B shape (random weights re-drawn like a
+#          model's): ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin), greedy, c = ORACLE_CONC (1,8,32,64);
+#          none first: its greedy outputs become the recording; the -oracle methods' drafts are that continuation cut
+#          at the misses of a geometric profile of full-block tau ORACLE_TAU (6.5) (driver --oracle-profile); builtin
+#          has no oracle form: its row is its random-weight step cost (the report's x-at-tau=6.5 projection);
+#          oracle_report.txt = each oracle server's last realised-tau / divergence line        -> $JOB/oracle-8b
 # PHASES picks and orders them (default cost,fixed,smol,prof); $JOB/<phase>.done marks each finished phase,
 # $JOB/results.tar.gz holds every result so far (no traces). JOB defaults to /tmp/job, PORT to 30000.
 set -uo pipefail
@@ -151,6 +157,14 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       OUT= RUN=$JOB/floor-$shape SHAPE=$shape METHODS="${FLOOR_METHODS:-none,ours,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=${FLOOR_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common" \
         DRIVER_ARGS="--bracket --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh ;;
+    oracle)
+      OUT= RUN=$JOB/oracle-8b SHAPE=qwen3-8b METHODS="${ORACLE_METHODS:-none,ours-oracle,ours-fixed-oracle,builtin}" \
+        TEMPERATURES=0 CONCURRENCY=${ORACLE_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 COMMON_ARGS="$COMMON_8B" \
+        DRIVER_ARGS="--oracle-profile tau:${ORACLE_TAU:-6.5},seed:0 --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh
+      for log in $JOB/oracle-8b/*oracle*.server.log; do
+        echo "$log: $(grep -h 'sglang-dflash oracle drafts:' "$log" | tail -n 1)"
+      done > $JOB/oracle-8b/oracle_report.txt
+      cat $JOB/oracle-8b/oracle_report.txt ;;
     kbench)
       mkdir -p $JOB/kbench
       python3 -m benchmarks.kernel_bench --sweep --defaults --widths 16,1 --json $JOB/kbench/defaults.json \
@@ -213,7 +227,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d floor-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
+  done_dirs=$(cd $JOB && ls -d floor-* oracle-8b tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
     ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done

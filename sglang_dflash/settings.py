@@ -37,6 +37,8 @@ CACHE = "SGLANG_DFLASH_CACHE"
 TREE = "SGLANG_DFLASH_TREE"
 DUMMY_WEIGHTS = "SGLANG_DFLASH_DUMMY_WEIGHTS"
 REPLAY_SSM = "SGLANG_DFLASH_REPLAY_SSM"
+ORACLE_DRAFTS = "SGLANG_DFLASH_ORACLE_DRAFTS"
+ORACLE_PROFILE = "SGLANG_DFLASH_ORACLE_PROFILE"
 
 WORKERS = ("ours", "builtin")
 CAPTURE_MODES = ("auto", "generic", "check")
@@ -117,6 +119,68 @@ def tree_size(block: int, env: Mapping[str, str] | None = None) -> int:
                             f"(its nodes take the block's KV slots). Fix: {TREE}={block} or smaller (2..{block}), "
                             "or 0 for the chain")
     return size
+
+
+@dataclass(frozen=True)
+class OracleProfile:
+    """SGLANG_DFLASH_ORACLE_PROFILE: each drafted position is kept (its draft = the recorded token) with probability
+    p, independently per (seed, prompt, output position); a step's accepted drafts then stop at its first miss, so
+    P(accept >= j) = p^j (geometric). Given as p (``geometric:P``) or as the mean commit per full-block step
+    (``tau:T``, p solved for the drafter's block size at start-up)."""
+
+    p: float | None
+    tau: float | None
+    seed: int
+
+    def keep_probability(self, block: int) -> float:
+        """p; for ``tau:T``, the p whose full-block tau 1 + p + ... + p^(B-1) is T (bisection: monotone in p)."""
+        if self.p is not None:
+            return self.p
+        if not 1.0 <= self.tau <= block:
+            raise SettingsError(f"{ORACLE_PROFILE}: tau:{self.tau:g} is outside 1..{block} (the block size {block} "
+                                f"commits at most {block} tokens per step). Fix: a tau in 1..{block}")
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if oracle_tau(mid, block) < self.tau else (lo, mid)
+        return (lo + hi) / 2
+
+    def describe(self, block: int) -> str:
+        p = self.keep_probability(block)
+        return (f"geometric p={p:.4f}, seed {self.seed}: full-block tau {oracle_tau(p, block):.3f} "
+                f"(mean accepted drafts {oracle_tau(p, block) - 1:.3f} of {block - 1})")
+
+
+def oracle_tau(p: float, block: int) -> float:
+    """Mean commit per full-block step under the geometric profile: 1 + sum_{j=1}^{B-1} p^j."""
+    return 1.0 + sum(p ** j for j in range(1, block))
+
+
+def _oracle_profile(name: str, raw: str | None) -> OracleProfile:
+    text = _text(name, raw) or "geometric:0.85,seed:0"
+    fix = f"Fix: e.g. {name}=geometric:0.85,seed:0 (p in 0..1) or {name}=tau:6.5,seed:0 (mean commit per full block)"
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition(":")
+        if not sep or key not in ("geometric", "tau", "seed") or key in fields:
+            raise SettingsError(f"{name}={text!r}: {part.strip()!r} is not geometric:P, tau:T or seed:S (each "
+                                f"once). {fix}")
+        fields[key] = value
+    if ("geometric" in fields) == ("tau" in fields):
+        raise SettingsError(f"{name}={text!r}: give exactly one of geometric:P and tau:T. {fix}")
+    try:
+        p = float(fields["geometric"]) if "geometric" in fields else None
+        tau = float(fields["tau"]) if "tau" in fields else None
+        seed = int(fields.get("seed", "0"))
+    except ValueError:
+        raise SettingsError(f"{name}={text!r}: not a number. {fix}") from None
+    if p is not None and not 0.0 <= p <= 1.0:
+        raise SettingsError(f"{name}={text!r}: p={p:g} is not a probability. {fix}")
+    if tau is not None and not tau >= 1.0:
+        raise SettingsError(f"{name}={text!r}: tau={tau:g} < 1 (every step commits at least one token). {fix}")
+    if not 0 <= seed < 2 ** 32:
+        raise SettingsError(f"{name}={text!r}: seed {seed} is not in 0..2^32-1. {fix}")
+    return OracleProfile(p=p, tau=tau, seed=seed)
 
 
 def _seconds(default: float):
@@ -204,6 +268,19 @@ SWITCHES: tuple[Switch, ...] = (
            "recurrent-state snapshot per draft position and request, so more requests run at once "
            "(serving/recurrent_state.py); lossless under Triton's interpreter with SGLang's own kernels, not yet run on "
            "a GPU, hence off by default. Passing the flag itself works the same"),
+    Switch(ORACLE_DRAFTS, "oracle_drafts", _text, "unset", "recording file (JSON)",
+           "benchmarks only, issue #45: oracle drafts. The drafter runs its real forward, then our worker replaces the "
+           "drafts of each recorded request by the plain run's greedy continuation, cut by "
+           f"{ORACLE_PROFILE} (serving/oracle_drafts.py; the verify still decides what is committed). Refused unless "
+           "the target is served with --load-format dummy and SGLANG_DFLASH_DUMMY_WEIGHTS=model; SGLANG_DFLASH_WORKER"
+           "=builtin refuses a DFLASH start with it. Recording: `python -m sglang_dflash.serving.oracle_drafts record "
+           "PLAIN.outputs.jsonl.gz OUT.json`"),
+    Switch(ORACLE_PROFILE, "oracle_profile", _oracle_profile, "geometric:0.85,seed:0",
+           "geometric:P or tau:T, then ,seed:S",
+           "with oracle drafts: each drafted position keeps the recorded token with probability P (else a token "
+           "certain to be rejected), drawn from a hash of (seed, prompt, output position), so every method, batch "
+           "and rank sees the same misses; full-block tau = 1 + P + ... + P^(B-1) (0.85 at B = 16: 6.17); tau:T "
+           "solves P for that tau"),
 )
 NAMES = tuple(s.name for s in SWITCHES)
 _BY_NAME = {s.name: s for s in SWITCHES}
@@ -232,6 +309,8 @@ class Settings:
     tree: int  # range-checked against the block size by tree_size
     dummy_weights: str
     replay_ssm: bool
+    oracle_drafts: str | None
+    oracle_profile: OracleProfile
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

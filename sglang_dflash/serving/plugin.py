@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..settings import DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, WORKER as WORKER_ENV, current as settings
+from ..settings import (DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, ORACLE_DRAFTS as ORACLE_DRAFTS_ENV, WORKER as WORKER_ENV,
+                        current as settings)
 from .finish_order import update_finish_state_in_token_order  # no imports of its own: on every request's step
 
 logger = logging.getLogger("sglang_dflash")
@@ -55,6 +56,9 @@ def register() -> None:
             logger.info("sglang-dflash: %s=%s is accepted and ignored: SGLang 0.5.17 always uses the V2 "
                         "speculative worker (overlap on unless --disable-overlap-schedule).", flag, os.environ[flag])
     if selected_worker() == "builtin":
+        if settings().oracle_drafts:  # benchmarks: the builtin has no hook between its draft and its verify
+            _register_refusal(HookRegistry, HookType, _builtin_oracle_refusal(), _startup_error)
+            return
         logger.info("sglang-dflash: %s=builtin, SGLang's builtin DFLASH worker is left in place.", WORKER_ENV)
         return
     # compat: an SGLang release we were not tested on gets no hooks but the refusal (compat.py)
@@ -97,22 +101,38 @@ def register() -> None:
     HookRegistry.register(f"{_XGRAMMAR}.XGrammarGrammar.apply_vocab_mask", _apply_vocab_mask, around)
 
 
-def _register_refusal(registry, hook_type, reason: str) -> None:
+def _builtin_oracle_refusal() -> str:
+    return (f"{ORACLE_DRAFTS_ENV} (oracle drafts, benchmarks only) with {WORKER_ENV}=builtin: the plugin does not "
+            "replace the builtin worker's drafts (DFlashWorkerV2.forward_batch_generation takes them from its draft "
+            "graph's sampler buffer and builds the verify inputs in the same method), so its row would not be at "
+            f"the stated acceptance. Fix: unset {ORACLE_DRAFTS_ENV} for the builtin (benchmarks.driver does), and "
+            "project its step cost from a plain random-weight run, labelled as a projection")
+
+
+def _startup_error(reason: str) -> Exception:
+    from .startup import DFlashStartupError
+
+    return DFlashStartupError(reason)
+
+
+def _version_error(reason: str) -> Exception:
+    from .compat import UnsupportedSGLangVersion
+
+    return UnsupportedSGLangVersion(reason)
+
+
+def _register_refusal(registry, hook_type, reason: str, error=_version_error) -> None:
     """Stop any DFLASH start with ``reason`` (SGLang catches and only logs exceptions raised by ``register``, so
     raising there would silently leave SGLang's builtin worker running). Other servers start as usual. Hooked in
     the launcher's DFLASH argument step (first) and at worker creation (in case that step moved)."""
     logger.error("sglang-dflash: %s", reason)
 
     def refuse_dflash_args(original, *args, **kwargs):
-        from .compat import UnsupportedSGLangVersion
-
-        raise UnsupportedSGLangVersion(reason)
+        raise error(reason)
 
     def refuse_worker(original, self, *args, **kwargs):
         if getattr(self, "is_dflash", lambda: False)():
-            from .compat import UnsupportedSGLangVersion
-
-            raise UnsupportedSGLangVersion(reason)
+            raise error(reason)
         return original(self, *args, **kwargs)
 
     registry.register(f"{_HOOK_ARGS}._handle_dflash", refuse_dflash_args, hook_type.AROUND)

@@ -377,6 +377,9 @@ def handle_dflash_args(original, server_args) -> None:
     check_tensor_parallel(cfg, server_args)
     tree = check_tree(cfg, server_args)
     check_context_length(cfg, server_args)
+    from .oracle_drafts import check_at_launch as check_oracle_drafts
+
+    check_oracle_drafts(server_args, cfg.block_size)  # benchmarks only; refused early unless dummy weights
     if server_args.speculative_draft_window_size is not None:
         raise DFlashStartupError(f"--speculative-draft-window-size {server_args.speculative_draft_window_size}: "
                                  "not supported by the sglang-dflash worker yet. Fix: drop the flag "

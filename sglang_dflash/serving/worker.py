@@ -44,6 +44,10 @@ or tree), DFlash2 drafts drawn with the same noise; the prefill's token of a see
 way (``_seeded_first_tokens``). A seeded request's output is then its seeded target-only stream whatever the widths,
 trees and batches (acceptance.verify_seeded). Unseeded rows of such steps get random keys (same rule, same law).
 
+Oracle drafts (SGLANG_DFLASH_ORACLE_DRAFTS, benchmarks on random weights only; oracle_drafts.py): after the
+drafter's real pass (after its graph replay, outside the graph) one launch replaces the chain's drafts by the plain
+run's recorded continuation, cut at the misses of a stated profile; the verify still decides what is committed.
+
 No host synchronisation and no per-request Python in the decode step: every per-step tensor is sliced from a
 buffer allocated once for max_running_requests, and the only host-side values are sizes SGLang already has. (With
 the tree switch on, a tree step may read the requests' top_k on the host (``tree_step.all_greedy``), and an eager
@@ -67,6 +71,7 @@ from . import compat, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .kernel_warmup import warm_kv_slot_kernels, warm_tree_accept
+from .oracle_drafts import OracleDrafts, check_allowed as check_oracle_allowed
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit, install_replay_pool_hook
 from .seeds import RequestSeeds
@@ -156,6 +161,15 @@ class DFlashWorker(BaseSpecWorker):
         self._control = WidthController(controls, B, share=TableShare.for_tp_group(),
                                         enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
 
+        # benchmarks only: oracle drafts (SGLANG_DFLASH_ORACLE_DRAFTS, oracle_drafts.py), refused now unless the
+        # target has model-like dummy weights; built with the request pool (alloc_memory_pool). None = off, no cost
+        from ..settings import current as _settings
+
+        oracle = _settings()
+        self._oracle_switch, self._oracle = (oracle.oracle_drafts, oracle.oracle_profile), None
+        if oracle.oracle_drafts:
+            check_oracle_allowed(server_args, oracle.dummy_weights)
+
         from sglang.srt.distributed import get_tp_group
 
         self._tp_group = get_tp_group() if int(server_args.tp_size) > 1 else None
@@ -225,6 +239,9 @@ class DFlashWorker(BaseSpecWorker):
                                           self.model_runner.model_config.vocab_size, self.device)
         self._seeds = RequestSeeds(req_to_token_pool.req_to_token.shape[0], self.device)  # sampling_seed per slot
         self._logged_first_token_skip = False
+        if self._oracle_switch[0]:
+            self._oracle = OracleDrafts(*self._oracle_switch, self.block, self.model_runner.model_config.vocab_size,
+                                        req_to_token_pool.req_to_token.shape[0], self.device)
         # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token
         warm_kv_slot_kernels(req_to_token_pool.req_to_token, self._block_ids.shape[0])
         warm_tree_accept(self._tree_size, req_to_token_pool.req_to_token)  # and ours, with trees on
@@ -318,6 +335,8 @@ class DFlashWorker(BaseSpecWorker):
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
         # the scheduler's host-side report of a finished decode step: feeds the width policy with no sync
         self._control.on_verify_complete(num_correct_drafts_per_req, batch_size)
+        if self._oracle is not None:
+            self._oracle.on_verify(num_correct_drafts_per_req, batch_size)
 
     def __getattr__(self, name):
         # everything the scheduler asks a TP worker for (and we do not override) is the target's
@@ -340,6 +359,8 @@ class DFlashWorker(BaseSpecWorker):
 
     def _prefill(self, batch, on_publish):
         self._controls.before_prefill(batch)  # a retracted request's penalties cover its earlier output
+        if self._oracle is not None:  # benchmarks only: each new request's slot -> its recorded continuation
+            self._oracle.on_prefill(batch)
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         features = out.logits_output.hidden_states
         if features is None:
@@ -378,6 +399,8 @@ class DFlashWorker(BaseSpecWorker):
         # the step's shape: k drafts of the chain (W = k + 1 tokens per request), or the draft tree where the batch
         # qualifies and the policy prices it best (width_control.py; its own key, its own acceptance statistics)
         k = self._control.choose(bs, tree_ok=bool(self._tree_size) and tree_step.applies(batch))
+        if self._oracle is not None:
+            self._oracle.note_step(bs, k)
         if k == self._control.tree:
             self._control.step_begin(bs, k)
             return self._tree_decode_step(batch, state, prefix, bs, on_publish)
@@ -397,6 +420,9 @@ class DFlashWorker(BaseSpecWorker):
                 draft = self._draft(batch, block_ids, positions, cache_loc, prefix, block_lens, bs, k,
                                     self._draft_temperature(batch), keys)
             verify_ids[:, 1:] = draft.tokens
+            if self._oracle is not None and draft.q is None:  # benchmarks only: after the drafter's real pass, the
+                # recorded continuation cut by the profile, one launch (oracle_drafts.py; not for drafts drawn from q)
+                self._oracle.replace(verify_ids, prefix, batch.req_pool_indices)
             # contiguous: a [bs, W] slice of a [bs, B] buffer flattens to a stride-B view, which kernels refuse
             positions, cache_loc = positions[:, :W].contiguous(), cache_loc[:, :W].contiguous()
         else:  # a plain step verifies the bonus alone: no block inputs (its host time is what it costs over a plain

@@ -1,0 +1,116 @@
+"""Oracle drafts end to end on CPU servers (issue #45 item 2; sglang_dflash/serving/oracle_drafts.py).
+
+The tiny Qwen3 target with model-like dummy weights (--load-format dummy, SGLANG_DFLASH_DUMMY_WEIGHTS=model), a
+dummy drafter (its real drafts are never right). A plain server's greedy outputs become the recording
+(bench.py's outputs format -> `record`); a DFLASH server with adaptivity off (the full block every step) and
+SGLANG_DFLASH_ORACLE_DRAFTS then serves the same prompts. Checked: outputs equal plain decoding's (the verify still
+decides), and every request took exactly the verify steps the profile's events predict (position_hash: each step
+commits its drafts up to the first miss, + 1), i.e. the realised tau is the profile's, request by request; the
+server logs the oracle at start-up and reports no divergence from the recording.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.server
+pytest.importorskip("sglang")
+if shutil.which("gcc") is None:
+    pytest.skip("gcc is needed to build the stub libcuda.so.1", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from sglang_dflash import settings  # noqa: E402
+from sglang_dflash.kernels.oracle_drafts import position_hash  # noqa: E402
+from sglang_dflash.serving.oracle_drafts import key_seed, prompt_key, record  # noqa: E402
+from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
+
+from .compare import FLOAT32, SPEC_ARGS, check_all, greedy, log_count, port, wait_all_healthy  # noqa: E402
+from .models import random_prompts  # noqa: E402
+
+PLAIN_PORT, ORACLE_PORT = 30070, 30071
+N, B, P, SEED = 40, 16, 0.7, 5
+PROFILE = f"geometric:{P},seed:{SEED}"
+EXTRA = {"ignore_eos": True}
+DUMMY = ["--load-format", "dummy"]
+
+
+def expected_steps(prompt, n_tokens) -> int:
+    """Verify steps the profile predicts for one request of n_tokens outputs: from the bonus at t, the step
+    commits the drafts at t+1.. up to the first miss (the recording covers every position < n_tokens), + 1."""
+    key = torch.tensor(key_seed(prompt_key(prompt)))
+    keep = position_hash(SEED, key, torch.arange(n_tokens + B)) < int(round(P * 2 ** 32))
+    t, steps = 0, 0
+    while t + 1 < n_tokens:
+        a = 0
+        while a < B - 1 and keep[t + 1 + a] and t + 1 + a < n_tokens:
+            a += 1
+        t, steps = t + a + 1, steps + 1
+    return steps
+
+
+@pytest.fixture(scope="module")
+def run(dflash_pair, tmp_path_factory):
+    root, target, draft, info = dflash_pair
+    work = tmp_path_factory.mktemp("oracle")
+    env = {**cpu_server_env(root / "stub"), settings.DUMMY_WEIGHTS: "model"}
+    prompts = random_prompts(6, info["vocab"], seed=91, lo=6, hi=30)
+    plain = launch_server(target, port(PLAIN_PORT), work / "plain.log", CPU_SERVER_ARGS + FLOAT32 + DUMMY, env)
+    oracle = None
+    try:
+        wait_all_healthy(plain)
+        outs = [greedy(plain, p, N, EXTRA)["output_ids"] for p in prompts]
+        with gzip.open(work / "none.outputs.jsonl.gz", "wt") as f:  # benchmarks/bench.py's format
+            f.writelines(json.dumps({"dataset": "random", "uid": i, "prompt": p, "ids": o}) + "\n"
+                         for i, (p, o) in enumerate(zip(prompts, outs)))
+        record(work / "none.outputs.jsonl.gz", work / "rec.json")
+        oracle_env = {**env, settings.ORACLE_DRAFTS: str(work / "rec.json"), settings.ORACLE_PROFILE: PROFILE,
+                      settings.ADAPTIVE: "0", settings.LOG_EVERY_S: "0.05"}
+        oracle = launch_server(target, port(ORACLE_PORT), work / "oracle.log",
+                               CPU_SERVER_ARGS + FLOAT32 + DUMMY + SPEC_ARGS + [
+                                   "--speculative-draft-model-path", str(draft),
+                                   "--speculative-draft-load-format", "dummy"], oracle_env)
+        wait_all_healthy(oracle)
+        answers = [greedy(oracle, p, N, EXTRA) for p in prompts]
+        yield {"plain": plain, "oracle": oracle, "prompts": prompts, "plain_ids": outs, "answers": answers}
+    finally:
+        if oracle is not None:
+            oracle.stop()
+        plain.stop()
+
+
+def test_outputs_are_plain_decodings(run):
+    excused = check_all(run["plain"], run["prompts"], run["plain_ids"], [a["output_ids"] for a in run["answers"]],
+                        N, max_excused_prompts=1, extra=EXTRA)
+    run["excused"] = excused
+
+
+def test_steps_are_the_profiles(run):
+    """spec_verify_ct = the request's verify steps (these requests finish on their length, whose last step SGLang
+    counts too) = the steps the profile's events predict, exactly, for every request that followed the recording."""
+    got, want = [], []
+    for prompt, plain_ids, answer in zip(run["prompts"], run["plain_ids"], run["answers"]):
+        if answer["output_ids"] != plain_ids:
+            continue  # a near-tie excused above: it left the recording (at most one prompt)
+        got.append(answer["meta_info"]["spec_verify_ct"])
+        want.append(expected_steps(prompt, N))
+    assert len(got) >= len(run["prompts"]) - 1
+    assert got == want, f"verify steps per request {got}, the profile's events predict {want}"
+    tau = len(got) * (N - 1) / (sum(want) + len(want))
+    assert 1 + P < tau < 1 / (1 - P) + 0.5  # the geometric law's full-block tau (~3.3 at p = 0.7)
+
+
+def test_start_up_line_and_report(run):
+    oracle = run["oracle"]
+    assert log_count(oracle, "ORACLE DRAFTS ON") == 1
+    assert log_count(oracle, "geometric p=0.7000, seed 5: full-block tau") == 1
+    text = oracle.log_path.read_text(errors="replace")
+    reports = [line for line in text.splitlines() if "sglang-dflash oracle drafts:" in line]
+    assert reports, "no oracle report line in the server log"
+    assert '"with a recording": ' in reports[-1] or "'with a recording': 6" in reports[-1]
+    if not any(run.get("excused", [])):
+        assert "left the recording: 0" in reports[-1]
