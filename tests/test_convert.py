@@ -167,6 +167,17 @@ def test_train_run_on_a_converted_target(tiny_converted, tmp_path):
     load_drafter(tmp_path / "run" / "drafter", target_config=AutoModelForCausalLM.from_pretrained(str(out)).config)
 
 
+def test_stop_ids_are_eos_eot_and_the_templates_turn_end(tmp_path):
+    """A GGUF naming only eos stops at its template's end-of-turn token too (as llama.cpp does by name)."""
+    tokens = ["<unk>", "<eos>", "<bos>", "<end_of_turn>", "<|im_end|>", "a"]
+    meta = gguf_file.GGUFMetadata(tmp_path / "m.gguf", "gemma3", {"tokenizer.ggml.tokens": tokens,
+                                                                  "tokenizer.ggml.eos_token_id": 1})
+    assert meta.stop_ids() == [1] and meta.stop_ids("{{ bos_token }}Question: ...") == [1]
+    assert meta.stop_ids("<start_of_turn>user\n{{ m }}<end_of_turn>\n") == [1, 3]
+    meta.fields["tokenizer.ggml.eot_token_id"] = 4
+    assert meta.stop_ids("<end_of_turn>") == [1, 4, 3]
+
+
 def test_mask_token_choice(tok_dir):
     from transformers import AutoTokenizer
 

@@ -34,6 +34,11 @@ TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss
 # differently from the model's own tokenizer (gemma3.py). gemma3 is rebuilt by us; the others are refused.
 WRONG_TOKENIZER = ("gemma", "gemma2", "gemma3", "gemma4")
 REBUILT_TOKENIZER = ("gemma3",)
+# End-of-turn tokens by name, as llama.cpp recognises them when a GGUF names no eot id: a chat template that writes
+# one ends every turn with it, so generation must stop there too, whatever tokenizer.ggml.eos_token_id names (a
+# GGUF may name <eos> while its template closes turns with <end_of_turn>).
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", "<EOT>",
+             "<\uff5cend\u2581of\u2581sentence\uff5c>")
 PROBE = "Hello, world! The capital of France is Paris.\n  def f(x):\n\treturn x * 2  # caf\u00e9"
 
 
@@ -70,10 +75,14 @@ class GGUFMetadata:
         tokens = self.tokens
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
-    @property
-    def stop_ids(self) -> list[int]:
-        """eos, then llama.cpp's end-of-turn (eot) and end-of-message (eom) tokens: generation stops at any."""
+    def stop_ids(self, chat_template: str | None = None) -> list[int]:
+        """eos, llama.cpp's end-of-turn (eot) and end-of-message (eom) tokens, then the TURN_ENDS tokens the chat
+        template writes: generation stops at any."""
         ids = [self.token_id(k) for k in ("eos", "eot", "eom")]
+        tokens = self.tokens
+        if chat_template and tokens:
+            index = {t: i for i, t in enumerate(tokens) if t in TURN_ENDS}
+            ids += [index[t] for t in TURN_ENDS if t in index and t in chat_template]
         return list(dict.fromkeys(i for i in ids if i is not None))
 
     @property
@@ -313,8 +322,7 @@ def _convert(gguf: Path, out: Path, tokenizer_dir, chat_template, force: bool) -
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     vocab = int(model.get_input_embeddings().weight.shape[0])
     check_tokenizer(tok, meta, vocab)
-    stop_ids = meta.stop_ids or ([int(cfg.eos_token_id)] if isinstance(cfg.eos_token_id, int) else
-                                 list(cfg.eos_token_id or []))
+    stop_ids = meta.stop_ids(tok.chat_template if template_source != "none" else None)
     if not stop_ids:
         raise GGUFConvertError("the GGUF names no eos token (tokenizer.ggml.eos_token_id), so generation would "
                                "never stop. Fix: use a GGUF written by llama.cpp's converters, which write it")
