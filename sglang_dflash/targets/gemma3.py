@@ -75,7 +75,7 @@ def tokenizer_from_gguf(gguf: Path, chat_template: str | None = CHAT_TEMPLATE):
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
     bos_key = "tokenizer.ggml.bos_token_id"
-    bos_id = int(fields[bos_key].contents()) if bos_key in fields else BOS_ID
+    bos_id = int(values(bos_key)[0][0]) if bos_key in fields else BOS_ID
     bos = tokens[bos_id]
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
                                                        special_tokens=[(bos, bos_id)])

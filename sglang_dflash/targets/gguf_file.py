@@ -117,14 +117,25 @@ def read_metadata(path: str | Path) -> GGUFMetadata:
     fields = {}
     for key, f in reader.fields.items():
         try:
-            fields[key] = f.contents()
-        except Exception:  # noqa: BLE001 - a value type this gguf version cannot decode; convert never needs it
+            fields[key] = field_value(f)
+        except Exception:  # noqa: BLE001 - a value type this reader cannot decode; convert never needs it
             continue
     arch = fields.get("general.architecture")
     if not arch:
         raise GGUFConvertError(f"{str(path)!r} has no general.architecture key. Fix: use a GGUF written by "
                                "llama.cpp's converters, which always write it")
     return GGUFMetadata(path, str(arch), fields, tuple(t.name for t in reader.tensors))
+
+
+def field_value(f):
+    """A GGUF key's value: a str / int / float / bool, or a list of them for an array."""
+    if hasattr(f, "contents"):  # gguf >= 0.11
+        return f.contents()
+    import gguf
+    from transformers.integrations.ggml import _gguf_parse_value  # older gguf: transformers' own reading
+
+    value = [_gguf_parse_value(f.parts[i], f.types) for i in f.data]
+    return value if f.types and f.types[0] == gguf.GGUFValueType.ARRAY else (value[0] if value else None)
 
 
 def check_loadable(meta: GGUFMetadata) -> None:
