@@ -1,14 +1,17 @@
-"""`sglang-dflash` / `python -m sglang_dflash`: two subcommands.
+"""`sglang-dflash` / `python -m sglang_dflash`: three subcommands.
 
     sglang-dflash serve [--dry-run] [--target DIR] [--draft DIR] [--port N] [-- LAUNCH_SERVER_ARGS]
         an SGLang server with DFLASH speculative decoding (OpenAI API), see sglang_dflash.serve
     sglang-dflash demo [--max-new-tokens N] ...
         the reference engine on SmolLM2-135M-Instruct, DFlash against plain decoding, see sglang_dflash.demo
+    sglang-dflash convert GGUF_FILE OUT_DIR [--tokenizer DIR] [--chat-template FILE] [--force]
+        a GGUF file -> a checkpoint directory to serve (--target OUT_DIR) and train a drafter for, see
+        sglang_dflash.convert
 """
 
 import sys
 
-COMMANDS = {"serve": "sglang_dflash.serve", "demo": "sglang_dflash.demo"}
+COMMANDS = {"serve": "sglang_dflash.serve", "demo": "sglang_dflash.demo", "convert": "sglang_dflash.convert"}
 
 
 def main(argv=None) -> None:

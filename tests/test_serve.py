@@ -129,13 +129,15 @@ def test_subcommands():
     run = lambda *a: subprocess.run([sys.executable, "-m", "sglang_dflash", *a], capture_output=True, text=True,  # noqa: E731
                                     timeout=120)
     r = run()
-    assert r.returncode == 2 and "serve" in r.stdout and "demo" in r.stdout
+    assert r.returncode == 2 and "serve" in r.stdout and "demo" in r.stdout and "convert GGUF_FILE OUT_DIR" in r.stdout
     r = run("bogus")
     assert r.returncode != 0 and "'bogus'" in r.stderr and "serve" in r.stderr
     r = run("demo", "--help")
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout
     r = run("serve", "--help")
     assert r.returncode == 0 and "--dry-run" in r.stdout
+    r = run("convert", "--help")
+    assert r.returncode == 0 and "GGUF_FILE" in r.stdout and "--tokenizer" in r.stdout
     script = Path(sys.executable).parent / "sglang-dflash"
     if script.exists():  # the console script of an installed package
         r = subprocess.run([str(script), "serve", "--dry-run", "--device", "cpu"], capture_output=True, text=True,

@@ -47,8 +47,10 @@ def default_dir() -> Path:
     return cache_dir() / "gemma-3-270m"
 
 
-def tokenizer_from_gguf(gguf: Path):
-    """Gemma's SentencePiece-BPE tokenizer as a transformers fast tokenizer, from the GGUF's vocabulary fields."""
+def tokenizer_from_gguf(gguf: Path, chat_template: str | None = CHAT_TEMPLATE):
+    """Gemma's SentencePiece-BPE tokenizer as a transformers fast tokenizer, from the GGUF's vocabulary fields (any
+    Gemma-3 GGUF: the family shares this vocabulary; bos from the file). chat_template: the one to set (None: none;
+    `sglang-dflash convert` sets the GGUF's own)."""
     import gguf as gguf_lib
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
@@ -72,11 +74,15 @@ def tokenizer_from_gguf(gguf: Path):
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", BOS_ID)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-                                   pad_token="<pad>", mask_token="<mask>")
-    fast.chat_template = CHAT_TEMPLATE
+    bos_key = "tokenizer.ggml.bos_token_id"
+    bos_id = int(values(bos_key)[0][0]) if bos_key in fields else BOS_ID
+    bos = tokens[bos_id]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, bos_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<eos>", unk_token="<unk>",
+                                   pad_token="<pad>", mask_token="<mask>" if "<mask>" in vocab else None)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     return fast
 
 

