@@ -247,7 +247,7 @@ def refusal_names() -> frozenset[str]:
     from .config import DFlashConfigError
     from .serving.capture import CaptureUnsupportedError
     from .serving.compat import UnsupportedSGLangVersion
-    from .serving.startup import DFlashStartupError
+    from .serving.errors import DFlashStartupError
     from .settings import SettingsError
 
     return frozenset(c.__name__ for c in (DFlashConfigError, DFlashStartupError, CaptureUnsupportedError,

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from ..settings import DUMMY_WEIGHTS, ORACLE_DRAFTS, ORACLE_PROFILE, OracleProfile, current as settings
-from .startup import DFlashStartupError
+from .errors import DFlashStartupError
 
 logger = logging.getLogger("sglang_dflash")
 

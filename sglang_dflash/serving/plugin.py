@@ -110,7 +110,7 @@ def _builtin_oracle_refusal() -> str:
 
 
 def _startup_error(reason: str) -> Exception:
-    from .startup import DFlashStartupError
+    from .errors import DFlashStartupError
 
     return DFlashStartupError(reason)
 

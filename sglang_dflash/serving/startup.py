@@ -15,15 +15,12 @@ from pathlib import Path
 
 from ..config import DFlashConfig, DFlashConfigError
 from . import compat
+from .errors import DFlashStartupError
 
 logger = logging.getLogger("sglang_dflash")
 
 GPU_DRAFT_BACKENDS = ("triton", "fa3", "fa4", "flashinfer")
 CPU_DRAFT_BACKENDS = ("torch_native",)
-
-
-class DFlashStartupError(ValueError):
-    """A server setup our DFLASH worker cannot run; the message says which flag/value and the fix."""
 
 
 def _is_cpu(server_args) -> bool:

@@ -75,7 +75,8 @@ from .oracle_drafts import OracleDrafts, check_allowed as check_oracle_allowed
 from .profiling import phase as _phase
 from .recurrent_state import RecurrentStateCommit, install_replay_pool_hook
 from .seeds import RequestSeeds
-from .startup import DFlashStartupError, load_draft_config
+from .errors import DFlashStartupError
+from .startup import load_draft_config
 from .tree_graphs import TreeBuffers, TreeVerifyGraphs, capture_sizes
 from .verify_widths import VerifyWidths
 from .width_control import TableShare, WidthControls, WidthController
