@@ -90,7 +90,10 @@ def test_seeded_sampling_is_reproducible_across_switches_and_batches(servers):
     spec, vocab = servers["spec"], servers["vocab"]
     known = random_prompts(48, vocab, seed=TRAIN_PROMPT_SEED)  # the drafter's prompts
     looping = random_prompts(18, vocab, seed=7)[5]  # the prompt the drafter knows best (test_e2e_cpu's histogram)
-    settings = [{"temperature": 0.5, "top_k": 4}, {"temperature": 0.3}, {"temperature": 0.8, "top_p": 0.9}]
+    # the looping prompt at a low temperature keeps its seeded stream where the drafter is right, so the seeded rule
+    # runs multi-token commits whatever the schedule's alignment (at 0.5, seed 17's stream left the loop early and a
+    # CI run committed no multi-token step); the other two sample for real
+    settings = [{"temperature": 0.2, "top_k": 4}, {"temperature": 0.3}, {"temperature": 0.8, "top_p": 0.9}]
     seeded = [(p, {"max_new_tokens": 32, "sampling_seed": 17 + i, **settings[i]})
               for i, p in enumerate([looping, known[0], known[1]])]
     others = [(known[3 + i], {"max_new_tokens": 32, **({"temperature": 0.8} if i % 2 else {"temperature": 0})})
@@ -109,5 +112,5 @@ def test_seeded_sampling_is_reproducible_across_switches_and_batches(servers):
     assert ids[0] == ids[1] == ids[2], f"seeded outputs differ between runs: {ids}"
     assert all(len(o) >= 8 for o in ids[0]), ids[0]
     assert_multi_token([o["meta_info"] for outs in (*alone, batched) for o in outs], "seeded sampled requests")
-    other_seed = run(seeded[0][0], {**seeded[0][1], "sampling_seed": 99})["output_ids"]
-    assert other_seed != ids[0][0], "another seed gave the same output: the request did not sample"
+    other_seed = run(seeded[2][0], {**seeded[2][1], "sampling_seed": 99})["output_ids"]
+    assert other_seed != ids[0][2], "another seed gave the same output: the request did not sample"

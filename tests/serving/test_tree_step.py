@@ -248,7 +248,7 @@ def test_the_width_policy_chooses_the_tree_and_the_step_is_reported_under_its_ke
         return 16 if tree_ok else 3
 
     control = SimpleNamespace(choose=choose, tree=16, step_begin=lambda bs, k: begun.append(k))
-    stub = SimpleNamespace(block=16, _control=control, _tree_size=8,
+    stub = SimpleNamespace(block=16, _control=control, _tree_size=8, _oracle=None,
                            _tree_decode_step=lambda batch, state, prefix, bs, on_publish: "tree step")
     batch = _batch()
     batch.batch_size = lambda: 2
