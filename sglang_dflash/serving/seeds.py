@@ -44,6 +44,8 @@ class RequestSeeds:
         reqs = batch.reqs
         info = batch.sampling_info
         everyone = info is not None and getattr(info, "sampling_seed", None) is not None  # deterministic inference
+        if not everyone and not self.live and all(r.sampling_params.sampling_seed is None for r in reqs):
+            return None  # the common case: no seed anywhere, nothing to store or forget (one pass, no device work)
         given = [r.sampling_params.sampling_seed for r in reqs]
         slots = [r.req_pool_idx for r in reqs]
         sampled = [r.sampling_params.top_k != 1 for r in reqs]  # SGLang encodes greedy as top_k = 1
