@@ -47,14 +47,16 @@
 #   dflash2  issue #36 item 4: ours-fixed with the Qwen3-8B-shaped drafter as DFlash and as DFlash2
 #          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
 #   floor  issue #44 item 3: the floor of one big shape (FLOOR_SHAPE: gpt-oss-20b, gemma-4-26b-a4b-it, gemma-4-31b-it,
-#          llama3.1-8b-instruct, qwen3-8b), random weights re-drawn like a model's (driver --dummy), one bracketed
+#          llama3.1-8b-instruct, qwen3-8b, qwen3.5-35b-a3b: the preset's extra_buffer; SGLANG_DFLASH_REPLAY_SSM=1 in the
+#          environment for the replay commit), random weights re-drawn like a model's (driver --dummy), one bracketed
 #          run: FLOOR_METHODS (none,ours,ours-fixed,builtin) then none again, greedy, c = 1, 8, 32, 64; while the
 #          rerun is up every output that differs from plain decoding's is judged on it (benchmarks/greedy_judge.py)
 #                                                                                     -> $JOB/floor-<shape>
 #          Two shapes side by side on a two-GPU machine: one job per GPU, each with its own JOB and PORT, e.g.
 #          CUDA_VISIBLE_DEVICES=1 JOB=/tmp/job1 PORT=30001 PHASES=floor FLOOR_SHAPE=... bash benchmarks/gpu_step_job.sh
 #   oracle issue #45 item 2: real speedups at a stated acceptance, Qwen3-8B shape (random weights re-drawn like a
-#          model's): ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin), greedy, c = ORACLE_CONC (1,8,32,64);
+#          model's): ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin), greedy, c = ORACLE_CONC (1,8,32,64),
+#          none again last (--bracket: drift, and the judge of any output unlike plain's);
 #          none first: its greedy outputs become the recording; the -oracle methods' drafts are that continuation cut
 #          at the misses of a geometric profile of full-block tau ORACLE_TAU (6.5) (driver --oracle-profile); builtin
 #          has no oracle form: its row is its random-weight step cost (the report's x-at-tau=6.5 projection);
@@ -150,17 +152,20 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_GEMMA" bash benchmarks/gpu_cost_run.sh ;;
     floor)
       shape=${FLOOR_SHAPE:-gpt-oss-20b}
-      case $shape in gpt-oss-*) vocab=200000 ;; gemma-4-*) vocab=262000 ;; llama*) vocab=128000 ;; *) vocab=151000 ;; esac
+      extra=
+      case $shape in gpt-oss-*) vocab=200000 ;; gemma-4-*) vocab=262000 ;; llama*) vocab=128000 ;;
+        qwen3.5-*) vocab=248000; extra="--mamba-radix-cache-strategy extra_buffer" ;;  # the preset's hybrid flag
+        *) vocab=151000 ;; esac
       common="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static ${FLOOR_MEM:-0.85}
  --cuda-graph-max-bs-decode 64 --max-running-requests 64 --trust-remote-code --disable-prefill-cuda-graph
- --cuda-graph-bs-decode 1 2 4 8 16 32 64"
+ --cuda-graph-bs-decode 1 2 4 8 16 32 64 $extra"
       OUT= RUN=$JOB/floor-$shape SHAPE=$shape METHODS="${FLOOR_METHODS:-none,ours,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=${FLOOR_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common" \
         DRIVER_ARGS="--bracket --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh ;;
     oracle)
       OUT= RUN=$JOB/oracle-8b SHAPE=qwen3-8b METHODS="${ORACLE_METHODS:-none,ours-oracle,ours-fixed-oracle,builtin}" \
         TEMPERATURES=0 CONCURRENCY=${ORACLE_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 COMMON_ARGS="$COMMON_8B" \
-        DRIVER_ARGS="--oracle-profile tau:${ORACLE_TAU:-6.5},seed:0 --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh
+        DRIVER_ARGS="--oracle-profile tau:${ORACLE_TAU:-6.5},seed:0 --bracket --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh
       for log in $JOB/oracle-8b/*oracle*.server.log; do
         echo "$log: $(grep -h 'sglang-dflash oracle drafts:' "$log" | tail -n 1)"
       done > $JOB/oracle-8b/oracle_report.txt
