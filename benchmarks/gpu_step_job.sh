@@ -99,7 +99,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -c "import pytest" 2>/dev/null ||
         python3 -m pip install -q --no-index --no-deps --target /tmp/pytest_site "${WHEELS:-/tmp/wheels}"/*.whl
       PYTHONPATH=/tmp/pytest_site:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_step_kernels.py tests/test_kernel_warmup.py \
-        tests/test_tree_accept.py tests/test_kernels.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
+        tests/test_tree_accept.py tests/test_kernels.py tests/test_oracle_drafts.py -k "gpu" > $JOB/kerneltests/pytest.log 2>&1
       echo "kernel tests exit $?" >> $JOB/kerneltests/pytest.log ;;
     cost) run_8b "${COST_METHODS:-none,ours,builtin}" 0 ;;
     ttft)

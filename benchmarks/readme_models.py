@@ -23,13 +23,17 @@ PRESETS = ("qwen3-8b", "llama3.1-8b-instruct", "gemma-4-26b-a4b-it", "gemma-4-31
            "gpt-oss-20b", "smollm2-135m", "gemma-3-270m")
 _REDRAWN = ("weights re-drawn like a model's (outputs depend on the prompt): builtin and ours part from plain "
             "decoding alike, for reasons in SGLang and in the random MoE network (the folder's README)")
+_TIES = ("weights re-drawn like a model's: Gaussian logits tie in bf16 every ~20 tokens, so plain decoding at another "
+         "batch shape parts from itself as every worker does (the folder's README)")
 # runs of a preset's shape before the smoke job (the driver's flags, not the preset's): (folder, what differs)
 EARLIER = {
     "qwen3-8b": (("fastpath-qwen3-8b-h100/2026-11-25-kernel/two-wave", ""), ("fa4-draft-h100/fa4", "draft fa4"),
                  ("tp2", "--tp-size 2")),
     "gemma-4-26b-a4b-it": (("fastpath-gemma-4-26b-a4b-h100/2026-11-25", "draft triton"),
                            ("floor-h200/gemma-4-26b-a4b-it", _REDRAWN)),
-    "qwen3.5-35b-a3b": (("hybrid-moe/qwen3.5-35b-a3b", ""),),
+    "qwen3.5-35b-a3b": (("hybrid-moe/qwen3.5-35b-a3b", ""),
+                        ("floor-h200/qwen3.5-35b-a3b-replay", "replay commit (SGLANG_DFLASH_REPLAY_SSM=1); " + _TIES)),
+    "llama3.1-8b-instruct": (("floor-h200/llama3.1-8b-instruct", _TIES),),
     "gpt-oss-20b": (("hybrid-moe/gpt-oss-20b", ""), ("hybrid-moe/gpt-oss-20b-adaptive", ""),
                     ("floor-h200/gpt-oss-20b", _REDRAWN)),
     "smollm2-135m": (("smollm2-run8-h100/fourway", "real weights and prompts, bf16: outputs part at near-ties, as "

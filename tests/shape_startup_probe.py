@@ -126,8 +126,12 @@ def _weight_facts(model) -> dict:
     1 / sqrt(2 L)), and two layers' first matrices not equal (SGLang's dummy draw repeats them)."""
     import torch
 
+    from sglang_dflash.targets.random_weights import norm_offset
+
     sd = model.state_dict()
-    norms = [t for n, t in sd.items() if t.dim() == 1 and "norm" in n and t.is_floating_point()]
+    offsets = {f"{m}.weight": norm_offset(mod) for m, mod in model.named_modules()}
+    # a (1 + weight) norm's unit weight is 0: compare what the norm scales by
+    norms = [t + offsets.get(n, 0.0) for n, t in sd.items() if t.dim() == 1 and "norm" in n and t.is_floating_point()]
     layer0 = [n for n in sd if ".layers.0." in n and sd[n].dim() >= 2 and sd[n].is_floating_point()]
     twin = layer0[0].replace(".layers.0.", ".layers.1.") if layer0 else None
     return {"norms": len(norms), "norms_set": sum(bool(torch.all(t == t[0]) and t[0] > 0.05) for t in norms),

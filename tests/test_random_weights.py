@@ -121,3 +121,32 @@ def test_moe_routing_spreads():
         router = model(ids, output_router_logits=True).router_logits
     chosen = torch.cat([r.topk(2, dim=-1).indices.flatten() for r in router]).unique()
     assert chosen.numel() >= 14  # of 16 experts, over 64 tokens and 2 layers
+
+
+def test_norms_that_add_to_their_weight_get_unit_scale():
+    """SGLang's GemmaRMSNorm / Gemma3RMSNorm scale by (1 + weight) (Qwen3.5 uses them): their unit weight is 0;
+    Gemma4RMSNorm scales by (weight + scale_shift). A plain RMSNorm keeps 1. (Set to 1 everywhere, the first Qwen3.5
+    run doubled every normalised input.)"""
+
+    class GemmaRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((8,), 0.5))
+
+    class Gemma4RMSNorm(GemmaRMSNorm):
+        scale_shift = 1.0
+
+    class RMSNorm(GemmaRMSNorm):
+        pass
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm, self.q_norm, self.norm = GemmaRMSNorm(), Gemma4RMSNorm(), RMSNorm()
+            self.config = type("C", (), {"hidden_size": 8, "num_hidden_layers": 2})()
+
+    b = Block()
+    model_like_init(b)
+    assert torch.equal(b.input_layernorm.weight, torch.zeros(8))  # 1 + 0 = 1
+    assert torch.equal(b.q_norm.weight, torch.zeros(8))  # 0 + scale_shift 1 = 1
+    assert torch.equal(b.norm.weight, torch.ones(8))

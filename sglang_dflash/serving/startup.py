@@ -343,7 +343,7 @@ def check_replay_ssm(server_args, record) -> bool:
     from ..settings import REPLAY_SSM, get
 
     # opt-in until the replay commit has run on a GPU (its CPU proof: SGLang's kernels under Triton's interpreter)
-    reason = None if get(REPLAY_SSM) else f"{REPLAY_SSM}=1 turns it on (not yet run on a GPU)"
+    reason = None if get(REPLAY_SSM) else f"{REPLAY_SSM}=1 turns it on (greedy equality not yet established on a GPU)"
     reason = reason or _replay_ssm_blocker(server_args)
     if reason is not None:
         logger.info("sglang-dflash: hybrid (Gated DeltaNet) target: recurrent state snapshots per draft position "

@@ -7,7 +7,9 @@ barely fail, and a verify block of identical tokens routes to a handful of exper
 low. `model_like_init` rewrites those tensors as a trained model's are scaled, so that greedy outputs depend on the
 context, differ across prompts and spread MoE routing:
 
-- norm weights, `layer_scalar`, per-expert and router scales: 1;
+- norm weights, `layer_scalar`, per-expert and router scales: 1 (as the norm applies its weight: a norm that scales
+  by `1 + weight`, SGLang's GemmaRMSNorm and Gemma3RMSNorm as Qwen3.5 and Gemma-2/3 use them, or by
+  `weight + scale_shift`, Gemma4RMSNorm, gets `1 - offset`; else every such norm doubled what it normalised);
 - matrices (linear layers, fused experts, convolutions): N(0, 1 / fan_in), fan_in = the last dimension, so every
   layer keeps its input's scale;
 - what a residual branch adds (attention and linear-attention output projections, MLP and expert down
@@ -101,6 +103,7 @@ def model_like_init(model: torch.nn.Module, seed: int = 0, rank: int = 0) -> dic
     """Re-draw `model`'s floating tensors (parameters and persistent buffers) in place; returns how many tensors
     each rule touched. A tensor shared under two names (a tied head) is drawn once, by its first name."""
     sc = Scales.of(model)
+    offsets = {f"{m}.weight" if m else "weight": off for m, mod in model.named_modules() if (off := norm_offset(mod))}
     counts = {"ones": 0, "filled": 0, "normal": 0, "kept": 0}
     seen: set[int] = set()
     with torch.no_grad():
@@ -114,10 +117,10 @@ def model_like_init(model: torch.nn.Module, seed: int = 0, rank: int = 0) -> dic
             if rule is None:
                 counts["kept"] += 1
             elif rule == _ONES:
-                tensor.fill_(1.0)
+                tensor.fill_(1.0 - offsets.get(name, 0.0))
                 counts["ones"] += 1
             elif isinstance(rule, tuple):
-                tensor.fill_(rule[0])
+                tensor.fill_(rule[0] - offsets.get(name, 0.0))
                 counts["filled"] += 1
             else:
                 gen = torch.Generator(device=tensor.device)
@@ -128,6 +131,19 @@ def model_like_init(model: torch.nn.Module, seed: int = 0, rank: int = 0) -> dic
                 tensor.copy_(draw)
                 counts["normal"] += 1
     return counts
+
+
+# norms that scale by (offset + weight): their "unit" weight is 1 - offset
+_ONE_PLUS_WEIGHT_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm")
+
+
+def norm_offset(module: torch.nn.Module) -> float:
+    """What a norm module adds to its weight before scaling: 1 for SGLang's (1 + weight) norms, Gemma4RMSNorm's
+    ``scale_shift``, else 0."""
+    if type(module).__name__ in _ONE_PLUS_WEIGHT_NORMS:
+        return 1.0
+    shift = getattr(module, "scale_shift", None)
+    return float(shift) if isinstance(shift, (int, float)) and "norm" in type(module).__name__.lower() else 0.0
 
 
 def _hidden_size(model: torch.nn.Module) -> int:
