@@ -4,9 +4,11 @@ while the baseline's rerun is still up.
 `report.py`'s cross-check counts outputs identical to the baseline's. In bf16 that alone cannot say lossless:
 plain decoding at another batch shape, and a verify's extend kernel, may pick the other of two near-tied tokens
 (SGLang's own speculative decoding does the same). Each output that differs from the baseline's is therefore judged
-by `sglang_dflash.testing.greedy_check.judge_greedy`, the rule of the CPU tests and the soak: excused only where the
-two tokens are exactly the plain server's top-2 with a gap of at most `tie_tol`, and the rest of the output then
-equals the plain server's own greedy continuation from there. Anything else is a failure: a lossless bug.
+by `sglang_dflash.testing.greedy_check.judge_greedy`, the rule of the CPU tests and the soak, widened for random
+targets (TOP_K, EXCUSE_EVERY below): excused only where the two tokens are among the plain server's best and each
+within `tie_tol` of it, and the rest of the output then equals the plain server's own greedy continuation from
+there. Anything else is a failure: a lossless bug, or a target whose logits move by more than `tie_tol` between two
+kernels (then plain decoding's own rerun fails too: the judge runs it as one more method).
 
 Writes `OUT/judge.json`: per method, outputs compared, identical, excused near-ties (with their gaps), failures
 (with the divergence), and any left unjudged when the time bound ran out.
@@ -24,6 +26,11 @@ from sglang_dflash.testing.greedy_check import judge_greedy
 from .soak import Baseline
 
 TIE_TOL = 0.25  # logprob gap of a near-tie in bf16 (gpu_e2e's bound for the real SmolLM2 pair)
+# Random targets' logits are Gaussian over 10^5 tokens: several lie within bf16 noise of the best, and two
+# computations of one output part at such ties every ~20 tokens (benchmarks/results/floor-h200, second loan). The
+# judge therefore takes ties among the plain server's TOP_K best, and up to one per EXCUSE_EVERY output tokens.
+TOP_K = 5
+EXCUSE_EVERY = 8
 
 
 def load(run_dir: Path, method: str) -> dict[tuple, dict]:
@@ -39,8 +46,10 @@ def load(run_dir: Path, method: str) -> dict[tuple, dict]:
 
 def judge_one(base: Baseline, b: dict, o: dict, tie_tol: float) -> dict:
     extra = {"ignore_eos": True} if b.get("ignore_eos") else {}
-    v = judge_greedy(b["prompt"], b["ids"], o["ids"], b.get("max_new") or len(b["ids"]), base.top2,
-                     lambda ids, n: base.continue_greedy(ids, n, extra), tie_tol, max_excused=3)
+    n = b.get("max_new") or len(b["ids"])
+    v = judge_greedy(b["prompt"], b["ids"], o["ids"], n, lambda ids: base.top2(ids, TOP_K),
+                     lambda ids, m: base.continue_greedy(ids, m, extra), tie_tol,
+                     max_excused=max(3, n // EXCUSE_EVERY), top_k=TOP_K)
     out = {"uid": b["uid"], "concurrency": b["concurrency"], "excused": [d.as_dict() for d in v.excused]}
     if v.failure is not None:
         out.update(failure=v.failure[-400:], divergence=v.failed.as_dict() if v.failed else None)

@@ -439,11 +439,12 @@ class Baseline:
         path = "/v1/completions" if rec["api"] == "completions" else "/v1/chat/completions"
         return _openai_answer(post_json(self.url + path, rec["body"], self.timeout_s))
 
-    def top2(self, ids: list[int]) -> list[tuple[float, int]]:
+    def top2(self, ids: list[int], k: int = 2) -> list[tuple[float, int]]:
+        """The plain server's k best (logprob, token) after ids (2: the near-tie rule's pair)."""
         meta = post_json(self.url + "/generate", {"input_ids": list(ids), "return_logprob": True,
-                                                   "top_logprobs_num": 2, "sampling_params": {
+                                                   "top_logprobs_num": k, "sampling_params": {
                                                        "max_new_tokens": 1, "temperature": 0}})["meta_info"]
-        return [(lp, tok) for lp, tok, _ in sorted(meta["output_top_logprobs"][0], reverse=True)[:2]]
+        return [(lp, tok) for lp, tok, _ in sorted(meta["output_top_logprobs"][0], reverse=True)[:k]]
 
     def continue_greedy(self, ids: list[int], n: int, extra: dict) -> list[int]:
         return post_json(self.url + "/generate", {"input_ids": list(ids), "sampling_params": {
