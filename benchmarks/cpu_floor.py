@@ -1,11 +1,13 @@
 """Issue #34 item 3, the adaptive floor on CPU: `sglang-dflash serve`'s exact server (its command from
 sglang_dflash.serve.build_command: SmolLM2-135M-Instruct + the shipped drafter, adaptive widths) against the same
 command without the speculative flags, on this machine's CPU. Sequential chat requests as the README's client sends
-them (c = 1, greedy, max_tokens 96), the first --per-set items of gsm, HumanEval and MT-Bench from
-benchmarks/data/prompts.jsonl; plain runs first and again last (its own drift). Prints and writes tok/s per run, the
-ratios, greedy equality and each answer's acceptance length; the servers' logs go next to the JSON.
+them (c = 1, greedy, max_tokens 96): the first --per-set items of gsm, HumanEval and MT-Bench from
+benchmarks/data/prompts.jsonl, or the lines of --prompts (issue #47 item 1: prompts no drafter saw). Plain runs first
+and again last (its own drift). Prints and writes tok/s per run, the ratios, greedy equality and each answer's
+acceptance length; the servers' logs go next to the JSON.
 
     python -m benchmarks.cpu_floor --per-set 4 --out benchmarks/results/cpu-floor-smollm2
+    python -m benchmarks.cpu_floor --prompts benchmarks/data/unseen_prompts.txt --out benchmarks/results/cpu-floor-unseen/run1
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def run_method(name, argv, env, port, prompts, max_tokens, out_dir: Path) -> dic
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--per-set", type=int, default=4)
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="a text file, one chat prompt per line, in place of the project's sets (e.g. "
+                        "benchmarks/data/unseen_prompts.txt: written for this check, never in any drafter's data)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--out", type=Path, required=True)
@@ -74,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.prompts import load
     from sglang_dflash.serve import build_command, default_drafter, prepare_default_target, stub_libcuda_dir
 
-    groups = load(Path(__file__).parent / "data" / "prompts.jsonl", ["gsm", "humaneval", "mtbench"])
-    prompts = [it["turns"][0] for g in groups.values() for it in g[:args.per_set]]
+    if args.prompts:
+        prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+    else:
+        groups = load(Path(__file__).parent / "data" / "prompts.jsonl", ["gsm", "humaneval", "mtbench"])
+        prompts = [it["turns"][0] for g in groups.values() for it in g[:args.per_set]]
     cmd = build_command(prepare_default_target(), default_drafter(), args.port, stub_dir=stub_libcuda_dir(),
                         offline=True)
     env = {**os.environ, **cmd.env}

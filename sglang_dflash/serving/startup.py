@@ -371,6 +371,13 @@ def handle_dflash_args(original, server_args) -> None:
     if compat.dp_attention_enabled(server_args):
         raise DFlashStartupError("--enable-dp-attention is not supported by the sglang-dflash worker. "
                                  "Fix: drop it (tensor parallelism works)")
+    mode = str(getattr(server_args, "disaggregation_mode", None) or "null")
+    if mode != "null":  # issue #49: the decode side would get no drafter context for a relayed request
+        raise DFlashStartupError(
+            f"--disaggregation-mode {mode}: prefill-decode disaggregation is not served by the sglang-dflash worker "
+            "yet (a decode server would start a relayed request without the drafter's context K/V; SGLang 0.5.17's "
+            "own DFLASH has no draft input there either, sgl-project/sglang#36140). Fix: serve DFLASH on one server "
+            "(drop --disaggregation-mode), or run the prefill-decode pair without --speculative-algorithm")
     check_tensor_parallel(cfg, server_args)
     tree = check_tree(cfg, server_args)
     check_context_length(cfg, server_args)

@@ -86,6 +86,7 @@ EXPECT = {
     "mask": "mask_token_id",
     "pp": "--pp-size 2",
     "dp_attention": "--enable-dp-attention",
+    "pd": "--disaggregation-mode decode",
     "tp_heads": "cannot be split over --tp-size 3",
     "context": "exceeds the drafter's 1024",
     "truncated": "model.safetensors'",  # the file named (then "is truncated ... Fix: download the drafter again")
@@ -105,6 +106,7 @@ def test_bad_setups_are_refused_with_the_value_named(pair, tmp_path):
         "mask": _argv(target, _variant(draft, tmp_path / "mask", drop_mask=True)),
         "pp": _argv(target, draft, "--pp-size", "2"),
         "dp_attention": _argv(target, draft, "--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"),
+        "pd": _argv(target, draft, "--disaggregation-mode", "decode"),  # issue #49: refused until served
         "tp_heads": _argv(target, draft, "--tp-size", "3"),  # the drafter has 4 heads
         "context": _argv(target, _variant(draft, tmp_path / "context", max_position_embeddings=1024)),
         "tp2": _argv(target, draft, "--tp-size", "2"),
