@@ -266,8 +266,9 @@ SWITCHES: tuple[Switch, ...] = (
            "1: hybrid Gated DeltaNet targets (Qwen3.5) get SGLang's --enable-linear-replayssm-spec at start-up where it "
            "applies: the verify records each token's inputs and the commit replays the accepted ones, instead of a "
            "recurrent-state snapshot per draft position and request, so more requests run at once "
-           "(serving/recurrent_state.py); lossless under Triton's interpreter with SGLang's own kernels, not yet run on "
-           "a GPU, hence off by default. Passing the flag itself works the same"),
+           "(serving/recurrent_state.py); lossless under Triton's interpreter with SGLang's own kernels; on an H200 "
+           "it kept 64 running requests where snapshots allowed 18, but greedy equality on a GPU is not established "
+           "yet (the random targets tie in bf16), hence off by default. Passing the flag itself works the same"),
     Switch(ORACLE_DRAFTS, "oracle_drafts", _text, "unset", "recording file (JSON)",
            "benchmarks only, issue #45: oracle drafts. The drafter runs its real forward, then our worker replaces the "
            "drafts of each recorded request by the plain run's greedy continuation, cut by "
