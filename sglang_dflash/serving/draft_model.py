@@ -362,10 +362,11 @@ class DFlashDraftModel(nn.Module):
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the bound target lm_head, in its dtype (``drafter.draft_logits``, shared with the
-        plain drafter); this rank's vocabulary rows under tensor parallelism."""
-        w = self.vocab.draft_head_weight
-        return draft_logits(hidden, w, self.dflash, torch.float32 if w is not self.vocab.lm_head_weight else None)
+        """Draft logits through the bound target lm_head (``drafter.draft_logits``, shared with the plain drafter),
+        in the head's dtype; float32 where a CPU reads its bfloat16 copy (``cpu_draft_head``). This rank's
+        vocabulary rows under tensor parallelism."""
+        w, target_dtype = self.vocab.draft_head_weight, self.vocab.lm_head_weight.dtype
+        return draft_logits(hidden, w, self.dflash, target_dtype if w.dtype != target_dtype else None)
 
     def greedy_drafts(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[bs * k, H] final draft hidden rows of block positions 1..k -> [bs * k] greedy draft tokens, the same on
