@@ -189,8 +189,8 @@ def server_env(args, method: str) -> dict:
         env[settings.ORACLE_DRAFTS] = str(oracle_recording(args))
         env[settings.ORACLE_PROFILE] = args.oracle_profile
     env["PYTHONUNBUFFERED"] = "1"
-    if args.dummy and not args.sglang_dummy_weights:  # every method serves the same context-dependent target
-        env[settings.DUMMY_WEIGHTS] = "model"
+    if args.dummy and args.dummy_weights != "sglang":  # every method serves the same re-drawn target
+        env[settings.DUMMY_WEIGHTS] = args.dummy_weights
     var, _, val = args.worker_env.partition("=")
     if method == "builtin":
         env[var] = val
@@ -332,9 +332,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-s", type=float, default=300.0,
                    help="with --bracket and a plain first method: seconds for judging the differing greedy outputs "
                         "against the rerun's live server (near-tie or lossless failure: greedy_judge.py); 0 = off")
-    p.add_argument("--sglang-dummy-weights", action="store_true",
-                   help="with --dummy: keep SGLang's own dummy weights (default: SGLANG_DFLASH_DUMMY_WEIGHTS=model "
-                        "for every server, weights scaled like a model's, so greedy outputs depend on the context)")
+    p.add_argument("--dummy-weights", choices=settings.DUMMY_INITS, default="model",
+                   help="with --dummy: SGLANG_DFLASH_DUMMY_WEIGHTS for every server: model (weights scaled like a "
+                        "model's: context-dependent outputs that tie in bf16 every ~20 tokens), chain (those weights "
+                        "plus a decisive head: outputs no rounding flips; what oracle drafts need) or sglang "
+                        "(SGLang's own: loops of one token)")
+    p.add_argument("--sglang-dummy-weights", dest="dummy_weights", action="store_const", const="sglang",
+                   help="the same as --dummy-weights sglang")
     p.add_argument("--oracle-drafts", default=None,
                    help="recording for the -oracle methods (default: OUT/oracle-recording.json, recorded from this "
                         "run's none outputs; sglang_dflash.serving.oracle_drafts record)")

@@ -48,19 +48,22 @@
 #          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
 #   floor  issue #44 item 3: the floor of one big shape (FLOOR_SHAPE: gpt-oss-20b, gemma-4-26b-a4b-it, gemma-4-31b-it,
 #          llama3.1-8b-instruct, qwen3-8b, qwen3.5-35b-a3b: the preset's extra_buffer; SGLANG_DFLASH_REPLAY_SSM=1 in the
-#          environment for the replay commit), random weights re-drawn like a model's (driver --dummy), one bracketed
-#          run: FLOOR_METHODS (none,ours,ours-fixed,builtin) then none again, greedy, c = 1, 8, 32, 64; while the
-#          rerun is up every output that differs from plain decoding's is judged on it (benchmarks/greedy_judge.py)
-#                                                                                     -> $JOB/floor-<shape>
+#          environment for the replay commit), random weights re-drawn like a model's with the decisive chain head
+#          (DUMMY_WEIGHTS, default chain: greedy outputs no bf16 rounding flips, so equality is exact; `model` for
+#          the context-dependent weights alone), one bracketed run: FLOOR_METHODS (none,ours,ours-fixed,builtin)
+#          then none again, greedy, c = 1, 8, 32, 64; while the rerun is up every output that differs from plain
+#          decoding's is judged on it (benchmarks/greedy_judge.py)                             -> $JOB/floor-<shape>
 #          Two shapes side by side on a two-GPU machine: one job per GPU, each with its own JOB and PORT, e.g.
 #          CUDA_VISIBLE_DEVICES=1 JOB=/tmp/job1 PORT=30001 PHASES=floor FLOOR_SHAPE=... bash benchmarks/gpu_step_job.sh
-#   oracle issue #45 item 2: real speedups at a stated acceptance, Qwen3-8B shape (random weights re-drawn like a
-#          model's): ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin), greedy, c = ORACLE_CONC (1,8,32,64),
-#          none again last (--bracket: drift, and the judge of any output unlike plain's);
+#   oracle issue #45 items 2, 3: real speedups at a stated acceptance, ORACLE_SHAPE (qwen3-8b; any floor shape) on the
+#          chain target (random weights + the decisive head: the target follows its recording at every batch shape):
+#          ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin; ours-k<N>-oracle too), greedy,
+#          c = ORACLE_CONC (1,8,32,64), none again last (--bracket: drift, and the judge of any output unlike plain's);
 #          none first: its greedy outputs become the recording; the -oracle methods' drafts are that continuation cut
 #          at the misses of a geometric profile of full-block tau ORACLE_TAU (6.5) (driver --oracle-profile); builtin
-#          has no oracle form: its row is its random-weight step cost (the report's x-at-tau=6.5 projection);
-#          oracle_report.txt = each oracle server's last realised-tau / divergence line        -> $JOB/oracle-8b
+#          has no oracle form: its row is its random-weight step cost (the report's x-at-tau projection);
+#          oracle_report.txt = each oracle server's last realised-tau / divergence line
+#                                                                               -> $JOB/oracle-<shape>-tau<T>
 # PHASES picks and orders them (default cost,fixed,smol,prof); $JOB/<phase>.done marks each finished phase,
 # $JOB/results.tar.gz holds every result so far (no traces). JOB defaults to /tmp/job, PORT to 30000.
 set -uo pipefail
@@ -80,6 +83,17 @@ COMMON_SMOL="--attention-backend triton --sampling-backend pytorch --grammar-bac
  --cuda-graph-max-bs-decode 128 --max-running-requests 128 --dtype bfloat16 --disable-prefill-cuda-graph"
 DRAFTER=${DRAFTER:-sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16}  # the SmolLM2 phases' drafter
 [ -d "$SHAPE_DIR" ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b "$SHAPE_DIR" || exit 1
+
+big_shape_args() {  # SHAPE MAX_BS: sets $vocab (the random prompts' ids) and $common (launch_server arguments)
+  local extra=
+  case $1 in gpt-oss-*) vocab=200000 ;; gemma-4-*) vocab=262000 ;; llama*) vocab=128000 ;;
+    qwen3.5-*) vocab=248000; extra="--mamba-radix-cache-strategy extra_buffer" ;;  # the preset's hybrid flag
+    *) vocab=151000 ;; esac
+  local bs= b; for b in 1 2 4 8 16 32 64 128; do [ "$b" -le "$2" ] && bs="$bs $b"; done
+  common="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static ${FLOOR_MEM:-0.85}
+ --cuda-graph-max-bs-decode $2 --max-running-requests $2 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-bs-decode $bs $extra"
+}
 
 wait_smollm2() {  # the SmolLM2 phases start once gpu_stage.sh has converted the target and DRAFTER is there
   for _ in $(seq 120); do [ -e /tmp/smollm2/model.safetensors ] && [ -e "$DRAFTER/config.json" ] && break; sleep 5; done
@@ -152,24 +166,22 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         CONCURRENCY=1,8,32 ROUNDS=2 DEADLINE_S=1500 COMMON_ARGS="$COMMON_GEMMA" bash benchmarks/gpu_cost_run.sh ;;
     floor)
       shape=${FLOOR_SHAPE:-gpt-oss-20b}
-      extra=
-      case $shape in gpt-oss-*) vocab=200000 ;; gemma-4-*) vocab=262000 ;; llama*) vocab=128000 ;;
-        qwen3.5-*) vocab=248000; extra="--mamba-radix-cache-strategy extra_buffer" ;;  # the preset's hybrid flag
-        *) vocab=151000 ;; esac
-      common="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static ${FLOOR_MEM:-0.85}
- --cuda-graph-max-bs-decode 64 --max-running-requests 64 --trust-remote-code --disable-prefill-cuda-graph
- --cuda-graph-bs-decode 1 2 4 8 16 32 64 $extra"
+      big_shape_args "$shape" 64
       OUT= RUN=$JOB/floor-$shape SHAPE=$shape METHODS="${FLOOR_METHODS:-none,ours,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=${FLOOR_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common" \
-        DRIVER_ARGS="--bracket --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh ;;
+        DRIVER_ARGS="--bracket --port ${PORT:-30000} --dummy-weights ${DUMMY_WEIGHTS:-chain}" bash benchmarks/gpu_cost_run.sh ;;
     oracle)
-      OUT= RUN=$JOB/oracle-8b SHAPE=qwen3-8b METHODS="${ORACLE_METHODS:-none,ours-oracle,ours-fixed-oracle,builtin}" \
-        TEMPERATURES=0 CONCURRENCY=${ORACLE_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 COMMON_ARGS="$COMMON_8B" \
-        DRIVER_ARGS="--oracle-profile tau:${ORACLE_TAU:-6.5},seed:0 --bracket --port ${PORT:-30000}" bash benchmarks/gpu_cost_run.sh
-      for log in $JOB/oracle-8b/*oracle*.server.log; do
+      shape=${ORACLE_SHAPE:-qwen3-8b}
+      big_shape_args "$shape" "$(echo "${ORACLE_CONC:-1,8,32,64}" | tr , '\n' | sort -n | tail -n 1)"
+      run=$JOB/oracle-$shape-tau${ORACLE_TAU:-6.5}
+      OUT= RUN=$run SHAPE=$shape METHODS="${ORACLE_METHODS:-none,ours-oracle,ours-fixed-oracle,builtin}" \
+        TEMPERATURES=0 CONCURRENCY=${ORACLE_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab \
+        COMMON_ARGS="$common" DRIVER_ARGS="--oracle-profile tau:${ORACLE_TAU:-6.5},seed:0 --bracket \
+ --port ${PORT:-30000} --dummy-weights chain" bash benchmarks/gpu_cost_run.sh
+      for log in $run/*oracle*.server.log; do
         echo "$log: $(grep -h 'sglang-dflash oracle drafts:' "$log" | tail -n 1)"
-      done > $JOB/oracle-8b/oracle_report.txt
-      cat $JOB/oracle-8b/oracle_report.txt ;;
+      done > $run/oracle_report.txt
+      cat $run/oracle_report.txt ;;
     kbench)
       mkdir -p $JOB/kbench
       python3 -m benchmarks.kernel_bench --sweep --defaults --widths 16,1 --json $JOB/kbench/defaults.json \

@@ -43,7 +43,7 @@ ORACLE_PROFILE = "SGLANG_DFLASH_ORACLE_PROFILE"
 WORKERS = ("ours", "builtin")
 CAPTURE_MODES = ("auto", "generic", "check")
 KERNELS = ("ours", "sglang")
-DUMMY_INITS = ("sglang", "model")
+DUMMY_INITS = ("sglang", "model", "chain")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -257,10 +257,13 @@ SWITCHES: tuple[Switch, ...] = (
            "takes it at every drafted step; DFlash drafters, --tp-size 1, --page-size 1, no "
            "hybrid targets, GPU: --attention-backend triton; under CUDA graphs the tree is built in the draft graph and "
            "verified by tree verify graphs of width N (serving/tree_graphs.py; eager past the captured sizes)"),
-    Switch(DUMMY_WEIGHTS, "dummy_weights", _choice(*DUMMY_INITS), "sglang", "sglang, model",
+    Switch(DUMMY_WEIGHTS, "dummy_weights", _choice(*DUMMY_INITS), "sglang", "sglang, model, chain",
            "benchmarks: what `--load-format dummy` (and the drafter's) leaves in the weights: SGLang's uniform +-1e-3 "
            "(greedy outputs loop on one or two tokens), or `model`: seeded weights scaled like a trained model's, "
-           "whose greedy outputs depend on the context and whose MoE routing spreads (targets/random_weights.py); "
+           "whose greedy outputs depend on the context and whose MoE routing spreads (targets/random_weights.py; "
+           "their Gaussian logits tie in bf16 every ~20 tokens), or `chain`: the `model` weights plus a decisive head "
+           "(targets/chain_head.py): each greedy step emits a fixed random map of the current token, which no rounding "
+           "flips (what oracle drafts and exact equality checks need); "
            "applies to plain servers too, whichever worker runs, so every method of a run serves the same target"),
     Switch(REPLAY_SSM, "replay_ssm", _flag(False), "0", "0, 1",
            "1: hybrid Gated DeltaNet targets (Qwen3.5) get SGLang's --enable-linear-replayssm-spec at start-up where it "
@@ -273,7 +276,8 @@ SWITCHES: tuple[Switch, ...] = (
            "benchmarks only, issue #45: oracle drafts. The drafter runs its real forward, then our worker replaces the "
            "drafts of each recorded request by the plain run's greedy continuation, cut by "
            f"{ORACLE_PROFILE} (serving/oracle_drafts.py; the verify still decides what is committed). Refused unless "
-           "the target is served with --load-format dummy and SGLANG_DFLASH_DUMMY_WEIGHTS=model; SGLANG_DFLASH_WORKER"
+           "the target is served with --load-format dummy and SGLANG_DFLASH_DUMMY_WEIGHTS=model or chain (chain: the "
+           "target follows its recording at every batch shape); SGLANG_DFLASH_WORKER"
            "=builtin refuses a DFLASH start with it. Recording: `python -m sglang_dflash.serving.oracle_drafts record "
            "PLAIN.outputs.jsonl.gz OUT.json`"),
     Switch(ORACLE_PROFILE, "oracle_profile", _oracle_profile, "geometric:0.85,seed:0",

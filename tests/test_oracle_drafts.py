@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -228,6 +229,7 @@ def test_refused_without_model_like_dummy_weights(tmp_path, monkeypatch):
         with pytest.raises(OracleDraftsError, match=r"SGLANG_DFLASH_ORACLE_DRAFTS.*Fix: unset.*--load-format dummy"):
             check_allowed(SimpleNamespace(load_format=fmt), dummy)
     check_allowed(SimpleNamespace(load_format="dummy"), "model")
+    check_allowed(SimpleNamespace(load_format="dummy"), "chain")
     assert issubclass(OracleDraftsError, DFlashStartupError)  # a start-up refusal, shown as one
     # the launcher's check: the switches from the environment, the file, the profile against the block
     monkeypatch.setenv(settings.ORACLE_DRAFTS, str(tmp_path / "missing.json"))
@@ -293,6 +295,11 @@ def test_driver_records_from_the_plain_run_and_sets_the_switches(tmp_path, monke
     assert env[settings.DUMMY_WEIGHTS] == "model"
     for method in ("none", "ours", "builtin"):
         assert settings.ORACLE_DRAFTS not in driver.server_env(args, method)
+    chain = driver.parser().parse_args(["--target", "t", "--draft", "d", "--out", str(tmp_path), "--dummy", "--dummy-weights", "chain"])
+    assert driver.server_env(chain, "none")[settings.DUMMY_WEIGHTS] == "chain"
+    own = driver.parser().parse_args(["--target", "t", "--draft", "d", "--out", str(tmp_path), "--dummy", "--sglang-dummy-weights"])
+    assert settings.DUMMY_WEIGHTS not in driver.server_env(own, "none") or \
+        driver.server_env(own, "none")[settings.DUMMY_WEIGHTS] == os.environ.get(settings.DUMMY_WEIGHTS)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

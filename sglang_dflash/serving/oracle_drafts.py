@@ -10,8 +10,10 @@ is committed, so the outputs stay plain decoding's; the realised tau is the prof
 recording.
 
 - Refused at start-up (``check_allowed``) unless the target is served with ``--load-format dummy`` and
-  ``SGLANG_DFLASH_DUMMY_WEIGHTS=model`` (context-dependent outputs: SGLang's own dummy weights loop on one token,
-  which would make the recording, and so the oracle, trivial). The plugin refuses a DFLASH start of SGLang's builtin
+  ``SGLANG_DFLASH_DUMMY_WEIGHTS=chain`` or ``model`` (SGLang's own dummy weights loop on one token, which would make
+  the recording, and so the oracle, trivial). Use ``chain`` (targets/chain_head.py): the ``model`` weights' logits
+  tie in bf16 every ~20 tokens, so on a GPU the target left its own recording after ~20 tokens and the first run
+  realised tau 1.07 (benchmarks/results/oracle-first-try-h200). The plugin refuses a DFLASH start of SGLang's builtin
   worker with it: its drafts come from its draft graph's sampler buffer inside ``DFlashWorkerV2``'s one step
   method, which also builds the verify inputs, and the plugin does not hook there (a possible point:
   ``DFlashVerifyInput.prepare_for_verify``, which sees the drafts and the batch, plus the builtin's prefill for the
@@ -121,15 +123,16 @@ def load_recording(path: str | Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------------- start-up
 def check_allowed(server_args, dummy_weights: str) -> None:
     """Oracle drafts only where real drafts cannot be measured anyway: a dummy-weight target whose outputs depend on
-    the context. Anything else is refused, naming the fix."""
+    its input (`model`, or `chain`, whose outputs no rounding flips). Anything else is refused, naming the fix."""
     load_format = str(getattr(server_args, "load_format", "") or "")
-    if load_format != "dummy" or dummy_weights != "model":
+    if load_format != "dummy" or dummy_weights not in ("model", "chain"):
         raise OracleDraftsError(
             f"{ORACLE_DRAFTS} is set (oracle drafts, a benchmark-only mode that replaces the drafter's drafts by a "
             f"recorded continuation) but the target is served with --load-format {load_format or 'auto'} and "
             f"{DUMMY_WEIGHTS}={dummy_weights}: it runs only on random-weight benchmark targets (--load-format dummy "
-            f"and {DUMMY_WEIGHTS}=model). Fix: unset {ORACLE_DRAFTS} (and {ORACLE_PROFILE}), or serve the target "
-            f"with --load-format dummy and {DUMMY_WEIGHTS}=model (benchmarks.driver --dummy)")
+            f"and {DUMMY_WEIGHTS}=chain or model). Fix: unset {ORACLE_DRAFTS} (and {ORACLE_PROFILE}), or serve the "
+            f"target with --load-format dummy and {DUMMY_WEIGHTS}=chain (benchmarks.driver --dummy --dummy-weights "
+            "chain)")
 
 
 def check_at_launch(server_args, block: int) -> None:

@@ -49,7 +49,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     # before the worker choice: a run's plain, builtin and our servers must all hold the same random target
-    if settings().dummy_weights == "model":
+    if settings().dummy_weights in ("model", "chain"):
         HookRegistry.register(_DUMMY_WEIGHTS, _model_like_dummy_weights, HookType.AROUND)
     for flag in _OLD_FLAGS:
         if flag in os.environ:
@@ -151,16 +151,23 @@ def _create_worker(original, self, server_args):
 
 
 def _model_like_dummy_weights(original, model, *args, **kwargs):
-    """SGLANG_DFLASH_DUMMY_WEIGHTS=model: SGLang's dummy weights, then re-drawn like a trained model's
-    (targets/random_weights.py), seeded per tensor-parallel rank and tensor name."""
+    """SGLANG_DFLASH_DUMMY_WEIGHTS=model or chain: SGLang's dummy weights, then re-drawn like a trained model's
+    (targets/random_weights.py), seeded per tensor-parallel rank and tensor name; with chain, the target's logits
+    processor also gets the decisive chain head (targets/chain_head.py)."""
     out = original(model, *args, **kwargs)
     from sglang.srt.runtime_context import get_parallel
 
+    from ..targets import chain_head
     from ..targets.random_weights import model_like_init
 
+    mode = settings().dummy_weights
     counts = model_like_init(model, seed=0, rank=get_parallel().tp_rank)
-    logger.info("sglang-dflash: %s: dummy weights re-drawn like a trained model's (%s=model): %s",
-                type(model).__name__, DUMMY_WEIGHTS_ENV, counts)
+    logger.info("sglang-dflash: %s: dummy weights re-drawn like a trained model's (%s=%s): %s",
+                type(model).__name__, DUMMY_WEIGHTS_ENV, mode, counts)
+    if mode == "chain" and (head := chain_head.attach(model)) is not None:
+        logger.info("sglang-dflash: %s: chain head on (%s=chain): every greedy step emits CHAIN[current token] "
+                    "(margin %g over %d tokens, seed %d): outputs that bf16 rounding cannot flip",
+                    type(model).__name__, DUMMY_WEIGHTS_ENV, head.margin, head.vocab, chain_head.SEED)
     return out
 
 
