@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from . import prompts as P
 from . import server_metrics, stats
-from .client import ChatTemplater, Sampling, closed_loop, get_json
+from .client import ChatTemplater, Sampling, closed_loop, flush_cache, get_json
 
 DEFAULT_CONCURRENCY = (1, 8, 32, 64, 128)
 SERVER_KEYS = ("model_path", "tokenizer_path", "served_model_name", "speculative_algorithm",
@@ -136,6 +136,11 @@ def run(args: argparse.Namespace) -> dict:
             for c in args.concurrency:
                 items = level_items(groups[d], c, args.rounds, args.min_convs, args.max_convs)
                 bar.set_postfix_str(f"{d} T={temp:g} c={c}")
+                if args.level_warmup:  # this level's shapes (MoE kernels per token count, widths the policy
+                    # picks) compiled and learned before the clock starts; then the prompts leave the radix cache
+                    warm_level = Sampling(temp, args.level_warmup, ignore_eos=True)
+                    asyncio.run(closed_loop(args.url, items[:c], c, warm_level, templater, args.timeout_s))
+                    flush_cache(args.url)
                 before = server_metrics.scrape(args.url) if args.server_metrics else None
                 recs, wall = asyncio.run(closed_loop(args.url, items, c, sampling, templater, args.timeout_s,
                                                      on_done=bar.update))
@@ -188,6 +193,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-vocab", type=int, default=32000, help="random prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=4, help="short warm-up requests before the sweep (0: none)")
+    p.add_argument("--level-warmup", type=int, default=0, metavar="TOKENS",
+                   help="before each level: one wave of its own first c prompts with TOKENS new tokens, then "
+                        "/flush_cache, so the timed level starts warm (kernels compiled for its shapes, the width "
+                        "policy's statistics) and without those prompts in the radix cache (0: off)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per request")
     p.add_argument("--random-weights", action="store_true",
                    help="the checkpoints are random (dummy load): tau is reported as a step count, never as acceptance")

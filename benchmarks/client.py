@@ -171,3 +171,15 @@ def get_json(url: str, path: str, timeout_s: float = 10.0) -> dict | None:
             return orjson.loads(r.read())
     except Exception:
         return None
+
+
+def flush_cache(url: str, timeout_s: float = 30.0) -> bool:
+    """POST /flush_cache (SGLang: empties the radix cache once no request runs); whether the server said yes."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=timeout_s) as r:
+            return 200 <= r.status < 300
+    except OSError:
+        return False
+

@@ -188,6 +188,7 @@ def server_env(args, method: str) -> dict:
     if extra.get(settings.ORACLE_DRAFTS) == ORACLE_RECORDING:
         env[settings.ORACLE_DRAFTS] = str(oracle_recording(args))
         env[settings.ORACLE_PROFILE] = args.oracle_profile
+        env.setdefault(settings.LOG_EVERY_S, "5")  # the realised-tau report of a short benchmark level
     env["PYTHONUNBUFFERED"] = "1"
     if args.dummy and args.dummy_weights != "sglang":  # every method serves the same re-drawn target
         env[settings.DUMMY_WEIGHTS] = args.dummy_weights

@@ -221,6 +221,26 @@ def test_record_keeps_the_common_prefix(tmp_path):
     assert got[prompt_key([4, 5])]["prompt_len"] == 2
 
 
+def test_warm_compiles_each_width_and_changes_nothing(tmp_path):
+    """OracleDrafts.warm runs the launch once per drafted width (the kernel's block size is a compile-time constant)
+    on a scratch row, leaving every slot, counter and recording as it was."""
+    from sglang_dflash.serving.oracle_drafts import OracleDrafts, record
+    from sglang_dflash.settings import ORACLE_PROFILE, _oracle_profile
+
+    src = tmp_path / "none.outputs.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        f.write(json.dumps({"dataset": "random", "uid": 0, "prompt": [1, 2], "ids": [3, 4, 5, 6]}) + "\n")
+    record(src, tmp_path / "rec.json")
+    oracle = OracleDrafts(str(tmp_path / "rec.json"), _oracle_profile(ORACLE_PROFILE, "tau:6.5,seed:0"), B, V, 4, "cpu")
+    oracle.slot_row[0] = 0
+    calls = []
+    launch = oracle._launch
+    oracle._launch = lambda ids, *a: (calls.append(ids.shape[1] - 1), launch(ids, *a))
+    oracle.warm([0, 3, 7, 15, 7])
+    assert calls == [3, 7, 15]
+    assert oracle.slot_row.tolist() == [0, -1, -1, -1] and int(oracle.div_count.sum()) == 0
+
+
 def test_refused_without_model_like_dummy_weights(tmp_path, monkeypatch):
     from sglang_dflash.serving.oracle_drafts import OracleDraftsError, check_allowed, check_at_launch
     from sglang_dflash.serving.startup import DFlashStartupError

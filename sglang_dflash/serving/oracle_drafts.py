@@ -186,6 +186,17 @@ class OracleDrafts:
                     ORACLE_DRAFTS, len(prompts), path, width, ORACLE_PROFILE, _profile_text(profile),
                     profile.describe(block))
 
+    def warm(self, widths) -> None:
+        """Compile the replacement launch for every drafted width now (its block size is a compile-time constant):
+        otherwise each width's first step compiles it on the clock of a benchmark's first level."""
+        slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # a slot without a recording: nothing written
+        for k in sorted({int(k) for k in widths if int(k) > 0}):
+            ids = torch.zeros((1, k + 1), dtype=torch.int64, device=self.device)
+            saved = self.slot_row[:1].clone()
+            self.slot_row[:1] = -1
+            self.replace(ids, slot, slot)
+            self.slot_row[:1] = saved
+
     def on_prefill(self, batch) -> None:
         """Point each request's slot at its recording (once per request and slot: a chunked prefill's later chunks
         and a retracted request's re-prefill find it done). Host look-up; one pinned non-blocking copy."""

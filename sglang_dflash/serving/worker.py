@@ -243,6 +243,7 @@ class DFlashWorker(BaseSpecWorker):
         if self._oracle_switch[0]:
             self._oracle = OracleDrafts(*self._oracle_switch, self.block, self.model_runner.model_config.vocab_size,
                                         req_to_token_pool.req_to_token.shape[0], self.device)
+            self._oracle.warm(self._control.controls.ks)
         # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token
         warm_kv_slot_kernels(req_to_token_pool.req_to_token, self._block_ids.shape[0])
         warm_tree_accept(self._tree_size, req_to_token_pool.req_to_token)  # and ours, with trees on
