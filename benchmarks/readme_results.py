@@ -8,7 +8,10 @@ adaptive), greedy; their READMEs say how they were run:
   HumanEval and MT-Bench sets at each concurrency (`results/smollm2-run8-h100/fourway`);
 - the Qwen3-8B shape with random weights (`results/ttft-qwen3-8b-h100`, c = 1..128, plain run again last): a drafter
   that never guesses right, so it shows what a step costs, not a speedup.
-tests/test_readme.py checks that README.md carries `table()` as printed here.
+And the measured speedups at a stated acceptance (issue #45): oracle drafts on random-weight targets with the
+decisive chain head (`results/oracle-chain-h200`, the folder's README): every cost of a real step, drafts that a
+drafter of that acceptance would make, outputs equal to plain decoding; `oracle_table()`, docs/results-oracle.png.
+tests/test_readme.py checks that README.md carries `table()` and `oracle_table()` as printed here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PLOT = ROOT / "docs" / "results.png"
+ORACLE_PLOT = ROOT / "docs" / "results-oracle.png"
 METHODS = (("none", "plain decoding"), ("builtin", "SGLang's builtin DFLASH"), ("ours", "ours (adaptive)"))
 
 
@@ -36,6 +40,69 @@ RUNS = (
     Run("Qwen3-8B shape, random weights", "ttft-qwen3-8b-h100/summary.json",
         "acceptance ~1: the cost of a step, not a speedup"),
 )
+
+# the runs with level warm-up (bench --level-warmup 32, 16 requests per level at least), one H200 each
+ORACLE_RUNS = (
+    Run("Qwen3-8B shape, tau 6.5", "oracle-chain-h200/run2-qwen3-8b-tau6.5/summary.json",
+        "Qwen3-8B-DFlash-b16's published acceptance"),
+    Run("Gemma-4-26B-A4B shape, tau 7.8", "oracle-chain-h200/run2-gemma-4-26b-a4b-tau7.8/summary.json",
+        "the seed's tau; random routing"),
+)
+ORACLE_METHODS = (("ours-oracle", "ours (adaptive)"), ("ours-fixed-oracle", "ours-fixed (k = 15)"),
+                  ("ours-k7-oracle", "ours, k = 7 pinned"))
+
+
+def load_oracle(run: Run) -> tuple[dict, dict[int, dict[str, tuple[float, float]]]]:
+    """(env, {concurrency: {method: (tok/s over the mean of the two plain runs, realised tau)}})."""
+    summary = json.loads((RESULTS / run.summary).read_text())
+    per_c = {}
+    for row in summary["rows"]:
+        ms = row["methods"]
+        plain = (ms["none"]["output_tok_s"] + ms["none-rerun"]["output_tok_s"]) / 2
+        per_c[row["concurrency"]] = {m: (ms[m]["output_tok_s"] / plain, ms[m]["tau"]) for m, _ in ORACLE_METHODS
+                                     if m in ms}
+    return summary["env"], dict(sorted(per_c.items()))
+
+
+def oracle_table() -> str:
+    rows = ["| target shape, full-block tau (device, date) | concurrency | ours (adaptive) / plain | "
+            "ours-fixed / plain | ours k = 7 / plain | realised tau (adaptive, fixed) |", "|---|---|---|---|---|---|"]
+    for run in ORACLE_RUNS:
+        env, per_c = load_oracle(run)
+        for c, m in per_c.items():
+            k7 = f"{m['ours-k7-oracle'][0]:.2f}" if "ours-k7-oracle" in m else "-"
+            rows.append(f"| {run.label} ({device_and_date(env)}) | {c} | {m['ours-oracle'][0]:.2f} | "
+                        f"{m['ours-fixed-oracle'][0]:.2f} | {k7} | {m['ours-oracle'][1]:.2f}, "
+                        f"{m['ours-fixed-oracle'][1]:.2f} |")
+    return "\n".join(rows) + "\n"
+
+
+def oracle_plot(out: Path = ORACLE_PLOT) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(ORACLE_RUNS), figsize=(11, 4.2))
+    for ax, run in zip(axes, ORACLE_RUNS):
+        env, per_c = load_oracle(run)
+        cs = list(per_c)
+        for (method, name), marker in zip(ORACLE_METHODS, "osD"):
+            if all(method in per_c[c] for c in cs):
+                ax.plot(cs, [per_c[c][method][0] for c in cs], marker=marker, label=name)
+        ax.axhline(1.0, color="grey", lw=1, ls="--", label="plain decoding")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("tok/s over plain decoding")
+        ax.set_title(f"{run.label} ({run.note})\noracle drafts, real step costs, random weights\n"
+                     f"{device_and_date(env)}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
 
 
 def load(run: Run) -> tuple[dict, dict[int, dict[str, float]]]:
@@ -93,5 +160,7 @@ def plot(out: Path = PLOT) -> Path:
 
 
 if __name__ == "__main__":
-    print(f"wrote {plot().relative_to(ROOT)}\n")
+    print(f"wrote {plot().relative_to(ROOT)}, {oracle_plot().relative_to(ROOT)}\n")
     print(table(), end="")
+    print()
+    print(oracle_table(), end="")

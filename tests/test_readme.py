@@ -96,6 +96,10 @@ def test_results_table_and_plot():
         "the README's results table differs from `python -m benchmarks.readme_results`: paste its table"
     assert "![" in section("Results") and "(docs/results.png)" in section("Results")
     assert readme_results.PLOT.is_file() and readme_results.PLOT.stat().st_size > 10_000
+    assert readme_results.oracle_table() in section("Results"), \
+        "the README's table at a stated acceptance differs from `python -m benchmarks.readme_results`: paste it"
+    assert "(docs/results-oracle.png)" in section("Results")
+    assert readme_results.ORACLE_PLOT.is_file() and readme_results.ORACLE_PLOT.stat().st_size > 10_000
 
 
 def test_models_table():
