@@ -49,7 +49,10 @@ def build_stub_libcuda(out_dir: str | Path) -> Path:
 def cpu_server_env(stub_dir: str | Path, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               # a stopped server's launcher reads its scheduler's SIGTERM exit as a crash and sleeps 5 s "to let GPU
+               # activity settle" before py-spy and CUDA core dumps: ~6 s of every test server's stop, none of use
+               SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0")
     env["LD_LIBRARY_PATH"] = f"{stub_dir}:{env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
     env.update(extra or {})
     return env
