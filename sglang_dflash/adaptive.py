@@ -579,15 +579,19 @@ class WidthPolicy:
         return dict(self._hist)
 
     def summary(self) -> str:
-        """One log line: shape histogram (the tree as "tree"), mean commit per shape, a_1..a_4, probe intervals."""
+        """One log line: shape histogram (the tree as "tree"), mean commit per shape, a_1..a_4, the expected commit
+        of each width, probe intervals."""
         hist = " ".join(f"{self.name(k)}:{n}" for k, n in self._hist.items())
         commit = " ".join(f"{self.name(k)}:{self._commit_sum[k] / self._commit_rows[k]:.2f}"
                           for k in self._hist if self._commit_rows[k])
         a = " ".join(f"{x:.2f}" for x in self.stats.acceptance()[:4])
+        # what each width is expected to commit, as the decision reads it (the per-width means above are what
+        # the chosen steps did commit; a gap between the two is what to look at when the policy picks badly)
+        expected = " ".join(f"{self.name(k)}:{self.expected(k):.2f}" for k in self.widths)
         mode = (f"pinned k={self.pinned}" if self.pinned is not None else "adaptive" if self.adaptive
                 else "adaptive off")
         tree = (f" | tree: E[commit] {self.tree_expected():.2f}, probes {self.tree_probes}, interval "
                 f"{self._tree_interval_now} steps" if self.tree is not None else "")
         return (f"dflash width ({mode}): k histogram {{{hist}}} | mean commit per k {{{commit or '-'}}} | "
-                f"a_1..a_4 {a} | probes {self.probes}, interval {self._interval_now} steps{tree} | "
+                f"a_1..a_4 {a} | E[commit] {{{expected}}} | probes {self.probes}, interval {self._interval_now} steps{tree} | "
                 f"rows seen {self.stats.rows_seen}")
