@@ -8,6 +8,10 @@ SGLANG_DFLASH_ORACLE_DRAFTS then serves the same prompts. Checked: outputs equal
 decides), and every request took exactly the verify steps the profile's events predict (position_hash: each step
 commits its drafts up to the first miss, + 1), i.e. the realised tau is the profile's, request by request; the
 server logs the oracle at start-up and reports no divergence from the recording.
+
+The same check can fail (issue #44 item 1): a third server runs our worker with a planted commit bug (a step that
+rejects a draft commits that draft in place of the target's token; injected by a sitecustomize module, no hook in
+the package) and its outputs must fail the equality check that the correct worker passes.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from sglang_dflash.serving.oracle_drafts import key_seed, prompt_key, record  # 
 from sglang_dflash.targets.chain_head import chain_walk  # noqa: E402
 from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
-from .compare import FLOAT32, SPEC_ARGS, greedy, log_count, port, wait_all_healthy  # noqa: E402
+from .compare import FLOAT32, SPEC_ARGS, check_all, greedy, log_count, port, wait_all_healthy  # noqa: E402
 from .models import random_prompts  # noqa: E402
 
-PLAIN_PORT, ORACLE_PORT = 30070, 30071
+PLAIN_PORT, ORACLE_PORT, PLANTED_PORT = 30070, 30071, 30072
 N, B, P, SEED = 40, 16, 0.7, 5
 PROFILE = f"geometric:{P},seed:{SEED}"
 EXTRA = {"ignore_eos": True}
@@ -53,6 +57,52 @@ def expected_steps(prompt, n_tokens) -> int:
             a += 1
         t, steps = t + a + 1, steps + 1
     return steps
+
+
+# Loaded by every Python process of the planted server (PYTHONPATH): wraps the greedy accept's torch path (the CPU
+# worker's) as soon as it is imported, before the worker module takes its name.
+PLANTED_BUG = """
+import importlib.util, sys
+
+NAME = "sglang_dflash.kernels.greedy_accept"
+
+
+def _plant(module):
+    import torch
+
+    right = module.greedy_accept_torch
+
+    def planted(target_ids, drafts, prefix):
+        commit_lens, tokens = module.verify_greedy_ids(drafts, target_ids)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        miss = commit_lens - 1 < drafts.shape[1]  # a draft was rejected: commit it instead of the target's token
+        at = (commit_lens - 1).clamp(max=max(drafts.shape[1] - 1, 0))
+        if drafts.shape[1]:
+            tokens[rows[miss], at[miss]] = drafts[rows[miss], at[miss]]
+        return (commit_lens, tokens) + module.commit_outputs(commit_lens, tokens, prefix)
+
+    planted.right = right
+    module.greedy_accept_torch = planted
+
+
+class _Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name != NAME:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _plant(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
+"""
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +128,19 @@ def run(dflash_pair, tmp_path_factory):
                                    "--speculative-draft-load-format", "dummy"], oracle_env)
         wait_all_healthy(oracle)
         answers = [greedy(oracle, p, N, EXTRA) for p in prompts]
+        plant = work / "plant"
+        plant.mkdir()
+        (plant / "sitecustomize.py").write_text(PLANTED_BUG)
+        planted_env = {**oracle_env, "PYTHONPATH": f"{plant}:{env.get('PYTHONPATH', '')}".rstrip(":")}
+        planted = launch_server(target, port(PLANTED_PORT), work / "planted.log",
+                                CPU_SERVER_ARGS + FLOAT32 + DUMMY + SPEC_ARGS + [
+                                    "--speculative-draft-model-path", str(draft),
+                                    "--speculative-draft-load-format", "dummy"], planted_env)
+        wait_all_healthy(planted)
+        planted_ids = [greedy(planted, p, N, EXTRA)["output_ids"] for p in prompts]
+        planted.stop()
         yield {"plain": plain, "oracle": oracle, "prompts": prompts, "plain_ids": outs, "answers": answers,
-               "vocab": info["vocab"]}
+               "vocab": info["vocab"], "planted_ids": planted_ids}
     finally:
         if oracle is not None:
             oracle.stop()
@@ -95,6 +156,16 @@ def test_plain_outputs_are_the_chain(run):
 def test_outputs_are_plain_decodings(run):
     """On the chain target there is no near-tie to excuse: every output equals plain decoding's."""
     assert [a["output_ids"] for a in run["answers"]] == run["plain_ids"]
+
+
+def test_the_check_fails_on_a_planted_commit_bug(run):
+    """The equality check the correct worker passes fails on a worker that commits a rejected draft: on the chain
+    target no near-tie can excuse the difference (the judge replays it on the plain server and finds a gap of the
+    chain head's margin)."""
+    assert run["planted_ids"] != run["plain_ids"], "the planted bug changed no output: the check cannot fail here"
+    with pytest.raises(pytest.fail.Exception, match="not lossless"):
+        check_all(run["plain"], run["prompts"], run["plain_ids"], run["planted_ids"], N, max_excused_prompts=0,
+                  extra=EXTRA)
 
 
 def test_steps_are_the_profiles(run):
