@@ -62,7 +62,8 @@
 #          none first: its greedy outputs become the recording; the -oracle methods' drafts are that continuation cut
 #          at the misses of a geometric profile of full-block tau ORACLE_TAU (6.5) (driver --oracle-profile); builtin
 #          has no oracle form: its row is its random-weight step cost (the report's x-at-tau projection);
-#          oracle_report.txt = each oracle server's last realised-tau / divergence line
+#          oracle_report.txt = each oracle server's last realised-tau / divergence line; ORACLE_DRIVER_ARGS: more
+#          driver arguments (e.g. --ours-env SGLANG_DFLASH_STEP_TRACE=$JOB/trace-{pid}.jsonl: every step's width and time)
 #                                                                               -> $JOB/oracle-<shape>-tau<T>
 # PHASES picks and orders them (default cost,fixed,smol,prof); $JOB/<phase>.done marks each finished phase,
 # $JOB/results.tar.gz holds every result so far (no traces). JOB defaults to /tmp/job, PORT to 30000.
@@ -177,7 +178,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       OUT= RUN=$run SHAPE=$shape METHODS="${ORACLE_METHODS:-none,ours-oracle,ours-fixed-oracle,builtin}" \
         TEMPERATURES=0 CONCURRENCY=${ORACLE_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab \
         COMMON_ARGS="$common" DRIVER_ARGS="--oracle-profile tau:${ORACLE_TAU:-6.5},seed:0 --bracket \
- --port ${PORT:-30000} --dummy-weights chain" bash benchmarks/gpu_cost_run.sh
+ --port ${PORT:-30000} --dummy-weights chain ${ORACLE_DRIVER_ARGS:-}" bash benchmarks/gpu_cost_run.sh
       for log in $run/*oracle*.server.log; do
         echo "$log: $(grep -h 'sglang-dflash oracle drafts:' "$log" | tail -n 1)"
       done > $run/oracle_report.txt
