@@ -112,7 +112,7 @@ def run(dflash_pair, tmp_path_factory):
     env = {**cpu_server_env(root / "stub"), settings.DUMMY_WEIGHTS: "chain"}
     prompts = random_prompts(6, info["vocab"], seed=91, lo=6, hi=30)
     plain = launch_server(target, port(PLAIN_PORT), work / "plain.log", CPU_SERVER_ARGS + FLOAT32 + DUMMY, env)
-    oracle = None
+    oracle = planted = None
     try:
         wait_all_healthy(plain)
         outs = [greedy(plain, p, N, EXTRA)["output_ids"] for p in prompts]
@@ -122,28 +122,24 @@ def run(dflash_pair, tmp_path_factory):
         record(work / "none.outputs.jsonl.gz", work / "rec.json")
         oracle_env = {**env, settings.ORACLE_DRAFTS: str(work / "rec.json"), settings.ORACLE_PROFILE: PROFILE,
                       settings.ADAPTIVE: "0", settings.LOG_EVERY_S: "0.05"}
-        oracle = launch_server(target, port(ORACLE_PORT), work / "oracle.log",
-                               CPU_SERVER_ARGS + FLOAT32 + DUMMY + SPEC_ARGS + [
-                                   "--speculative-draft-model-path", str(draft),
-                                   "--speculative-draft-load-format", "dummy"], oracle_env)
-        wait_all_healthy(oracle)
-        answers = [greedy(oracle, p, N, EXTRA) for p in prompts]
+        spec_args = CPU_SERVER_ARGS + FLOAT32 + DUMMY + SPEC_ARGS + [
+            "--speculative-draft-model-path", str(draft), "--speculative-draft-load-format", "dummy"]
         plant = work / "plant"
         plant.mkdir()
         (plant / "sitecustomize.py").write_text(PLANTED_BUG)
         planted_env = {**oracle_env, "PYTHONPATH": f"{plant}:{env.get('PYTHONPATH', '')}".rstrip(":")}
-        planted = launch_server(target, port(PLANTED_PORT), work / "planted.log",
-                                CPU_SERVER_ARGS + FLOAT32 + DUMMY + SPEC_ARGS + [
-                                    "--speculative-draft-model-path", str(draft),
-                                    "--speculative-draft-load-format", "dummy"], planted_env)
-        wait_all_healthy(planted)
+        oracle = launch_server(target, port(ORACLE_PORT), work / "oracle.log", spec_args, oracle_env)
+        planted = launch_server(target, port(PLANTED_PORT), work / "planted.log", spec_args, planted_env)
+        wait_all_healthy(oracle, planted)
+        answers = [greedy(oracle, p, N, EXTRA) for p in prompts]
         planted_ids = [greedy(planted, p, N, EXTRA)["output_ids"] for p in prompts]
         planted.stop()
         yield {"plain": plain, "oracle": oracle, "prompts": prompts, "plain_ids": outs, "answers": answers,
                "vocab": info["vocab"], "planted_ids": planted_ids}
     finally:
-        if oracle is not None:
-            oracle.stop()
+        for server in (planted, oracle):
+            if server is not None:
+                server.stop()
         plain.stop()
 
 
