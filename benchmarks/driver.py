@@ -333,11 +333,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-s", type=float, default=300.0,
                    help="with --bracket and a plain first method: seconds for judging the differing greedy outputs "
                         "against the rerun's live server (near-tie or lossless failure: greedy_judge.py); 0 = off")
-    p.add_argument("--dummy-weights", choices=settings.DUMMY_INITS, default="model",
-                   help="with --dummy: SGLANG_DFLASH_DUMMY_WEIGHTS for every server: model (weights scaled like a "
-                        "model's: context-dependent outputs that tie in bf16 every ~20 tokens), chain (those weights "
-                        "plus a decisive head: outputs no rounding flips; what oracle drafts need) or sglang "
-                        "(SGLang's own: loops of one token)")
+    p.add_argument("--dummy-weights", choices=settings.DUMMY_INITS, default="chain",
+                   help="with --dummy: SGLANG_DFLASH_DUMMY_WEIGHTS for every server: chain (the default: weights "
+                        "scaled like a model's plus a decisive head, outputs no bf16 rounding flips, so greedy "
+                        "equality is exact; what oracle drafts need), model (those weights alone: context-dependent "
+                        "outputs that tie in bf16 every ~20 tokens) or sglang (SGLang's own: loops of one token)")
     p.add_argument("--sglang-dummy-weights", dest="dummy_weights", action="store_const", const="sglang",
                    help="the same as --dummy-weights sglang")
     p.add_argument("--oracle-drafts", default=None,

@@ -19,8 +19,9 @@
 #   --dummy DIR                  exact-shape random weights: writes DIR/target and DIR/draft configs with
 #                                `python -m sglang_dflash.targets.shapes write NAME DIR` if absent, and serves them with
 #                                --load-format dummy (+ draft) --skip-tokenizer-init, weights re-drawn like a
-#                                model's (SGLANG_DFLASH_DUMMY_WEIGHTS=model). Cost only: never report
-#                                acceptance from it.
+#                                model's with the decisive chain head (SGLANG_DFLASH_DUMMY_WEIGHTS=chain: greedy
+#                                outputs no bf16 rounding flips, so equality with plain decoding is exact).
+#                                Cost only: never report acceptance from it.
 #   --cpu                        a CPU machine: hands target + drafter to `python -m sglang_dflash serve
 #                                --device cpu`, which sets SGLang's CPU engine up (stub libcuda, float32,
 #                                torch_native attention, bounded KV pool) and prints the exact command. The
@@ -105,8 +106,9 @@ launch_main() {
     [ -n "$dummy" ] && args+=(--speculative-draft-load-format dummy)
     if [ "$method" = builtin ]; then envs=("$var"); else envs=("-u" "${var%%=*}"); fi
   fi
-  # random weights scaled like a trained model's (greedy outputs depend on the prompt), for every method alike
-  [ -n "$dummy" ] && envs+=(SGLANG_DFLASH_DUMMY_WEIGHTS=model)
+  # random weights scaled like a trained model's, with the decisive chain head (sglang_dflash/targets/chain_head.py:
+  # greedy outputs that no bf16 rounding flips), for every method alike
+  [ -n "$dummy" ] && envs+=(SGLANG_DFLASH_DUMMY_WEIGHTS=chain)
   args+=("${extra[@]}")
   if [ "$dry" = 1 ]; then
     printf '%s' "env"; printf ' %q' "${envs[@]}" "${PYTHON:-python3}" -m sglang.launch_server "${args[@]}"; echo

@@ -78,9 +78,9 @@ def check(script: Path, parser: argparse.ArgumentParser) -> list[str]:
                     errors.append(f"{where}: ours must unset {SWITCH}, got env {env}")
             if dummy and (ns.load_format != "dummy" or not ns.skip_tokenizer_init):
                 errors.append(f"{where}: --dummy must serve --load-format dummy --skip-tokenizer-init")
-            if dummy and "SGLANG_DFLASH_DUMMY_WEIGHTS=model" not in env:
-                errors.append(f"{where}: --dummy must re-draw the dummy weights like a model's "
-                              f"(SGLANG_DFLASH_DUMMY_WEIGHTS=model), got env {env}")
+            if dummy and "SGLANG_DFLASH_DUMMY_WEIGHTS=chain" not in env:
+                errors.append(f"{where}: --dummy must re-draw the dummy weights like a model's, with the chain head "
+                              f"(SGLANG_DFLASH_DUMMY_WEIGHTS=chain), got env {env}")
     return errors
 
 

@@ -121,11 +121,13 @@ _WEIGHTS: dict[str, dict] = {}  # per model class, what the dummy load left in i
 
 
 def _weight_facts(model) -> dict:
-    """Whether the dummy weights were re-drawn like a model's (SGLANG_DFLASH_DUMMY_WEIGHTS=model, which the test
+    """Whether the dummy weights were re-drawn like a model's (SGLANG_DFLASH_DUMMY_WEIGHTS=chain, which the test
     sets): every 1-D norm weight one constant far from SGLang's +-1e-3 (1, or a Gemma branch post-norm's
-    1 / sqrt(2 L)), and two layers' first matrices not equal (SGLang's dummy draw repeats them)."""
+    1 / sqrt(2 L)), and two layers' first matrices not equal (SGLang's dummy draw repeats them); and whether the
+    model's logits processor carries the chain head (targets only)."""
     import torch
 
+    from sglang_dflash.targets.chain_head import ChainHead
     from sglang_dflash.targets.random_weights import norm_offset
 
     sd = model.state_dict()
@@ -134,8 +136,10 @@ def _weight_facts(model) -> dict:
     norms = [t + offsets.get(n, 0.0) for n, t in sd.items() if t.dim() == 1 and "norm" in n and t.is_floating_point()]
     layer0 = [n for n in sd if ".layers.0." in n and sd[n].dim() >= 2 and sd[n].is_floating_point()]
     twin = layer0[0].replace(".layers.0.", ".layers.1.") if layer0 else None
+    hooks = getattr(getattr(model, "logits_processor", None), "_forward_hooks", {}) or {}
     return {"norms": len(norms), "norms_set": sum(bool(torch.all(t == t[0]) and t[0] > 0.05) for t in norms),
-            "layers_differ": bool(twin in sd and not torch.equal(sd[layer0[0]], sd[twin])) if twin else None}
+            "layers_differ": bool(twin in sd and not torch.equal(sd[layer0[0]], sd[twin])) if twin else None,
+            "chain_head": any(isinstance(h, ChainHead) for h in hooks.values())}
 
 
 def _model_facts(mc) -> dict:

@@ -263,7 +263,7 @@ def test_driver_bracket_judges_differing_outputs_on_the_live_plain_server(tmp_pa
     """--bracket with plain decoding first: while its rerun is up, every greedy output of another method that differs
     from plain decoding's is judged there (greedy_judge.py). A planted lossless bug (the fake's --fake-corrupt, on
     the speculative server only) is a failure, not a near-tie; plain against plain has none. --dummy sets the
-    model-like dummy weights for every server."""
+    re-drawn dummy weights with the chain head (the default) for every server."""
     from benchmarks import driver
 
     wrapper = tmp_path / "py"
@@ -279,7 +279,7 @@ def test_driver_bracket_judges_differing_outputs_on_the_live_plain_server(tmp_pa
                       "--datasets", "random", "--concurrency", "2", "--temperatures", "0", "--max-new-tokens", "6",
                       "--min-convs", "8", "--no-progress", "--warmup", "0", "--random-vocab", "1000"])
     assert rc == 0
-    assert all(e[settings.DUMMY_WEIGHTS] == "model" for e in seen_env) and len(seen_env) == 3
+    assert all(e[settings.DUMMY_WEIGHTS] == "chain" for e in seen_env) and len(seen_env) == 3
     j = json.loads((out / "judge.json").read_text())["methods"]
     assert j["none-rerun"]["failed"] == 0 and j["none-rerun"]["identical"] == j["none-rerun"]["compared"] == 8
     bug = j["builtin"]

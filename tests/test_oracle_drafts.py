@@ -312,11 +312,11 @@ def test_driver_records_from_the_plain_run_and_sets_the_switches(tmp_path, monke
     env = driver.server_env(args, "ours-fixed-oracle")
     assert env[settings.ORACLE_DRAFTS] == str(tmp_path / "oracle-recording.json")
     assert env[settings.ORACLE_PROFILE] == "tau:6.5,seed:0" and env[settings.ADAPTIVE] == "0"
-    assert env[settings.DUMMY_WEIGHTS] == "model"
+    assert env[settings.DUMMY_WEIGHTS] == "chain"  # the driver's default
     for method in ("none", "ours", "builtin"):
         assert settings.ORACLE_DRAFTS not in driver.server_env(args, method)
-    chain = driver.parser().parse_args(["--target", "t", "--draft", "d", "--out", str(tmp_path), "--dummy", "--dummy-weights", "chain"])
-    assert driver.server_env(chain, "none")[settings.DUMMY_WEIGHTS] == "chain"
+    model = driver.parser().parse_args(["--target", "t", "--draft", "d", "--out", str(tmp_path), "--dummy", "--dummy-weights", "model"])
+    assert driver.server_env(model, "none")[settings.DUMMY_WEIGHTS] == "model"
     own = driver.parser().parse_args(["--target", "t", "--draft", "d", "--out", str(tmp_path), "--dummy", "--sglang-dummy-weights"])
     assert settings.DUMMY_WEIGHTS not in driver.server_env(own, "none") or \
         driver.server_env(own, "none")[settings.DUMMY_WEIGHTS] == os.environ.get(settings.DUMMY_WEIGHTS)

@@ -47,7 +47,7 @@ def probe(tmp_path_factory):
         from sglang_dflash.testing import build_stub_libcuda, cpu_server_env
 
         env = cpu_server_env(build_stub_libcuda(out / "stub"))
-        env["SGLANG_DFLASH_DUMMY_WEIGHTS"] = "model"  # the benchmarks' dummy weights, through the plugin's hook
+        env["SGLANG_DFLASH_DUMMY_WEIGHTS"] = "chain"  # the benchmarks' dummy weights, through the plugin's hook
     env = dict(env or os.environ, SGLANG_DFLASH_REPLAY_SSM="1")  # the hybrid replay commit, opt-in for now
     r = subprocess.run([sys.executable, str(PROBE), str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -97,11 +97,13 @@ def test_shape_starts(probe, name, mode):
         assert "no SGlang implementation" in t["attn"]["error"], t["attn"]
     else:
         assert t["attn"] == t["kv"], f"{name}: target attention layers vs target KV pool"
-    # SGLANG_DFLASH_DUMMY_WEIGHTS=model: SGLang's dummy weights re-drawn like a model's (targets/random_weights.py)
+    # SGLANG_DFLASH_DUMMY_WEIGHTS=chain: SGLang's dummy weights re-drawn like a model's (targets/random_weights.py),
+    # and the target's logits processor (not the drafter's) carries the chain head (targets/chain_head.py)
     for part in [d] if name in NO_CPU_MODEL else [t, d]:
         w = part["weights"]
         assert w["norms"] > 0 and w["norms_set"] == w["norms"], f"{name}: {w}"
         assert w["layers_differ"] is not False, f"{name}: two layers hold the same dummy weights"
+        assert w["chain_head"] == (part is t), f"{name}: chain head on the {'target' if part is t else 'drafter'}: {w}"
 
 
 @pytest.mark.parametrize("name", GEMMA4)
