@@ -10,7 +10,8 @@
 #   plus both servers' logs and meta.json (command, device, date, commit). Pass: ours.json "ok" (0 mismatches
 #   outside near-ties, no error, no health failure, pool idle again, none over 2x plain's p99) and, per the
 #   issue, >= 2,000 greedy answers compared ("compared").
-# Pairs: qwen3-8b (exact shape, random weights: --load-format dummy, vocab 151,936, prompts of random ids) and
+# Pairs: qwen3-8b (exact shape, random weights: --load-format dummy with SGLANG_DFLASH_DUMMY_WEIGHTS=chain, vocab
+# 151,936, prompts of random ids) and
 # smollm2 (SmolLM2-135M-Instruct staged at /tmp/smollm2 by `benchmarks/gpu_stage.sh smollm2`, the shipped drafter,
 # chat prompts from benchmarks/data). Started on the lent machine after the device stack is installed:
 #   PAIRS=qwen3-8b,smollm2 nohup bash benchmarks/gpu_soak_job.sh > /tmp/job/soak.log 2>&1 &
@@ -78,8 +79,10 @@ for pair in $(echo "${PAIRS:-qwen3-8b,smollm2}" | tr , ' '); do
   case $pair in
     qwen3-8b)
       [ -d /tmp/shape-qwen3-8b ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b /tmp/shape-qwen3-8b || exit 1
-      soak_pair qwen3-8b /tmp/shape-qwen3-8b/target /tmp/shape-qwen3-8b/draft 151936 "" "--load-format dummy" \
-        "--speculative-draft-load-format dummy" ;;
+      # the chain target (random weights re-drawn like a model's + the decisive head): greedy answers no bf16
+      # rounding flips, so every mismatch the soak reports is a lossless failure, not a near-tie
+      SGLANG_DFLASH_DUMMY_WEIGHTS=chain soak_pair qwen3-8b /tmp/shape-qwen3-8b/target /tmp/shape-qwen3-8b/draft 151936 \
+        "" "--load-format dummy" "--speculative-draft-load-format dummy" ;;
     smollm2)
       [ -e /tmp/smollm2/model.safetensors ] || { echo "stage /tmp/smollm2 first (gpu_stage.sh smollm2)"; exit 1; }
       python3 - <<'EOF'
