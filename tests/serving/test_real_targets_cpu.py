@@ -46,15 +46,18 @@ SMOLLM2_MAX_EXCUSED = 0
 
 
 def run_pair(root: Path, name: str, target: Path, draft: Path, ports: tuple[int, int], prompts, max_new_tokens: int,
-             max_excused_prompts: int, tie_tol: float, ignore_eos: bool = False, timeout_s: float = 300.0):
+             max_excused_prompts: int, tie_tol: float, ignore_eos: bool = False, timeout_s: float = 300.0,
+             plain=None):
     """Both servers (plain, ours with overlap), every prompt sent at once to each, greedy outputs checked
     (compare.check_all); returns (base answers, ours answers, one T=1 answer of ours, per-prompt excused counts,
-    our server's log). Both servers are stopped before returning."""
+    our server's log). Both servers are stopped before returning. plain: a shared plain server with its answers
+    to these prompts (conftest.SmolLM2Plain), used instead of starting one (and left running)."""
     env = cpu_server_env(root / "stub")
     base_args = CPU_SERVER_ARGS + FLOAT32
     spec_args = [a for a in base_args if a != "--disable-overlap-schedule"] + SPEC_ARGS + [
         "--speculative-draft-model-path", str(draft)]
-    base = launch_server(target, port(ports[0]), root / f"{name}_base.log", base_args, env)
+    base = plain.server if plain is not None else launch_server(target, port(ports[0]), root / f"{name}_base.log",
+                                                                base_args, env)
     # the full block every step: the acceptance length is compared with the reference engine's (compare.FULL_BLOCK)
     spec = launch_server(target, port(ports[1]), root / f"{name}_spec.log", spec_args, {**env, **FULL_BLOCK})
     try:
@@ -63,15 +66,20 @@ def run_pair(root: Path, name: str, target: Path, draft: Path, ports: tuple[int,
                                                               "ignore_eos": ignore_eos}}
         with cf.ThreadPoolExecutor(2 * len(prompts)) as pool:
             spec_f = [pool.submit(generate, spec, body(p), timeout_s) for p in prompts]
-            base_f = [pool.submit(generate, base, body(p), timeout_s) for p in prompts]
-            spec_out, base_out = [f.result() for f in spec_f], [f.result() for f in base_f]
+            if plain is not None:  # the shared server's answers (asked now, beside ours, unless already known)
+                base_f = pool.submit(plain.answers, timeout_s)
+            else:
+                base_f = [pool.submit(generate, base, body(p), timeout_s) for p in prompts]
+            spec_out = [f.result() for f in spec_f]
+            base_out = base_f.result() if plain is not None else [f.result() for f in base_f]
         sampled = generate(spec, {"input_ids": prompts[0], "sampling_params": {
             "max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}})
         excused = check_all(base, prompts, [b["output_ids"] for b in base_out], [s["output_ids"] for s in spec_out],
                             max_new_tokens, max_excused_prompts, extra={"ignore_eos": ignore_eos}, tie_tol=tie_tol)
     finally:
         spec.stop()
-        base.stop()
+        if plain is None:
+            base.stop()
     return base_out, spec_out, sampled, excused, spec.log_path.read_text(errors="replace")
 
 
@@ -113,18 +121,14 @@ def reference_tau(target_model, prompts, max_new_tokens, stop_ids) -> dict:
         torch.set_num_threads(threads)
 
 
-def test_smollm2_shipped_drafter_equality_and_tau(dflash_pair):
+def test_smollm2_shipped_drafter_equality_and_tau(dflash_pair, smollm2_plain):
     from sglang_dflash.targets import smollm2
 
-    try:
-        smollm2.gguf_path(download=False)
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
     root = dflash_pair[0]
-    target = smollm2.convert()  # cached: ~20 s once
-    prompts = chat_prompt_ids(smollm2.load_tokenizer(target), 8)
+    target, prompts = smollm2_plain.target, smollm2_plain.prompts  # 8 chat prompts, 64 new tokens
     base, spec, sampled, excused, log = run_pair(root, "smollm2", target, ASSET, (30006, 30007), prompts, 64,
-                                                 max_excused_prompts=SMOLLM2_MAX_EXCUSED, tie_tol=SMOLLM2_TIE_TOL)
+                                                 max_excused_prompts=SMOLLM2_MAX_EXCUSED, tie_tol=SMOLLM2_TIE_TOL,
+                                                 plain=smollm2_plain)
     assert "sglang-dflash worker ready" in log, "not our worker"
     assert_multi_token([s["meta_info"] for s in spec], "SmolLM2 with the shipped drafter")
     tau = accept_length(spec)

@@ -88,24 +88,15 @@ def test_tree_greedy_equals_plain_decoding(tree_servers, size):
 
 
 @pytest.mark.slow
-def test_smollm2_tree_equality_and_accept_length(dflash_pair):
+def test_smollm2_tree_equality_and_accept_length(dflash_pair, smollm2_plain):
     """SmolLM2 + the shipped drafter: a plain server and one tree-16 server. The tree server answers every prompt
     twice, first as chain steps (each request carries a zero logit_bias, a control that keeps its batch on the chain
     step and changes no logit), then as tree steps: greedy outputs of both equal plain decoding's, and the accept
     length (completion tokens per verify step) of the tree is at least the chain's on the same server."""
-    from sglang_dflash.targets import smollm2
-
-    from benchmarks.prompts import chat_prompt_ids
-
     from .test_real_targets_cpu import ASSET, SMOLLM2_MAX_EXCUSED, SMOLLM2_TIE_TOL, accept_length
 
-    try:
-        smollm2.gguf_path(download=False)
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
     root = dflash_pair[0]
-    target = smollm2.convert()
-    prompts = chat_prompt_ids(smollm2.load_tokenizer(target), 8)
+    target, prompts = smollm2_plain.target, smollm2_plain.prompts  # the shared plain server's: 64 new tokens
     env = cpu_server_env(root / "stub")
     base_args = CPU_SERVER_ARGS + FLOAT32
     spec_args = [a for a in base_args if a != "--disable-overlap-schedule"] + SPEC_ARGS + [
@@ -118,18 +109,17 @@ def test_smollm2_tree_equality_and_accept_length(dflash_pair):
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
             return list(pool.map(lambda p: generate(server, body(p, **extra), 300.0), prompts))
 
-    base = launch_server(target, port(30062), root / "smollm2_tree_base.log", base_args, env)
+    base = smollm2_plain.server
     spec = launch_server(target, port(30063), root / "smollm2_tree.log", spec_args, {**env, **FULL_BLOCK, TREE: "16"})
     try:
         wait_all_healthy(base, spec)
         answers = {"chain": run_all(spec, logit_bias={"0": 0.0}), "tree": run_all(spec)}
-        base_out = run_all(base)
+        base_out = smollm2_plain.answers()
         for name in ("chain", "tree"):
             check_all(base, prompts, [b["output_ids"] for b in base_out],
                       [s["output_ids"] for s in answers[name]], 64, SMOLLM2_MAX_EXCUSED, tie_tol=SMOLLM2_TIE_TOL)
     finally:
         spec.stop()
-        base.stop()
     assert log_count(spec, "first tree verify step (16 nodes") == 1, "no tree step ran"
     chain, tree = accept_length(answers["chain"]), accept_length(answers["tree"])
     print(f"SmolLM2-135M-Instruct + shipped drafter, greedy, CPU server: accept length chain {chain:.3f}, "
