@@ -78,31 +78,14 @@ def oracle_table() -> str:
 
 
 def oracle_plot(out: Path = ORACLE_PLOT) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(ORACLE_RUNS), figsize=(11, 4.2))
-    for ax, run in zip(axes, ORACLE_RUNS):
-        env, per_c = load_oracle(run)
-        cs = list(per_c)
+    def draw(ax, per_c, cs):
         for (method, name), marker in zip(ORACLE_METHODS, "osD"):
             if all(method in per_c[c] for c in cs):
                 ax.plot(cs, [per_c[c][method][0] for c in cs], marker=marker, label=name)
         ax.axhline(1.0, color="grey", lw=1, ls="--", label="plain decoding")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("tok/s over plain decoding")
-        ax.set_title(f"{run.label} ({run.note})\noracle drafts, real step costs, random weights\n"
-                     f"{device_and_date(env)}", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+
+    return _panels(ORACLE_RUNS, load_oracle, draw, "tok/s over plain decoding", lambda run, env: (
+        f"{run.label} ({run.note})\noracle drafts, real step costs, random weights\n{device_and_date(env)}"), out)
 
 
 def load(run: Run) -> tuple[dict, dict[int, dict[str, float]]]:
@@ -135,22 +118,32 @@ def table() -> str:
 
 
 def plot(out: Path = PLOT) -> Path:
+    def draw(ax, per_c, cs):
+        for (method, name), marker in zip(METHODS, "osD"):
+            ax.plot(cs, [per_c[c][method] for c in cs], marker=marker, label=name)
+
+    return _panels(RUNS, load, draw, "output tokens / s",
+                   lambda run, env: f"{run.label}\n{run.note}\n{device_and_date(env)}", out)
+
+
+def _panels(runs, load_run, draw, ylabel: str, title, out: Path) -> Path:
+    """One panel per run against the concurrency (log2 axis): draw(ax, per_c, concurrencies) plots its lines,
+    title(run, env) names it; the figure is saved to out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(RUNS), figsize=(11, 4.2))
-    for ax, run in zip(axes, RUNS):
-        env, per_c = load(run)
+    fig, axes = plt.subplots(1, len(runs), figsize=(11, 4.2))
+    for ax, run in zip(axes, runs):
+        env, per_c = load_run(run)
         cs = list(per_c)
-        for (method, name), marker in zip(METHODS, "osD"):
-            ax.plot(cs, [per_c[c][method] for c in cs], marker=marker, label=name)
+        draw(ax, per_c, cs)
         ax.set_xscale("log", base=2)
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("output tokens / s")
-        ax.set_title(f"{run.label}\n{run.note}\n{device_and_date(env)}", fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title(run, env), fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
