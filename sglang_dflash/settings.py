@@ -44,6 +44,7 @@ WORKERS = ("ours", "builtin")
 CAPTURE_MODES = ("auto", "generic", "check")
 KERNELS = ("ours", "sglang")
 DUMMY_INITS = ("sglang", "model", "chain")
+REDRAWN_DUMMY_INITS = ("model", "chain")  # the ones the plugin re-draws (targets/random_weights.py)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from ..settings import DUMMY_WEIGHTS, ORACLE_DRAFTS, ORACLE_PROFILE, OracleProfile, current as settings
+from ..settings import (DUMMY_WEIGHTS, ORACLE_DRAFTS, ORACLE_PROFILE, REDRAWN_DUMMY_INITS, OracleProfile,
+                        current as settings)
 from .errors import DFlashStartupError
 
 logger = logging.getLogger("sglang_dflash")
@@ -125,7 +126,7 @@ def check_allowed(server_args, dummy_weights: str) -> None:
     """Oracle drafts only where real drafts cannot be measured anyway: a dummy-weight target whose outputs depend on
     its input (`model`, or `chain`, whose outputs no rounding flips). Anything else is refused, naming the fix."""
     load_format = str(getattr(server_args, "load_format", "") or "")
-    if load_format != "dummy" or dummy_weights not in ("model", "chain"):
+    if load_format != "dummy" or dummy_weights not in REDRAWN_DUMMY_INITS:
         raise OracleDraftsError(
             f"{ORACLE_DRAFTS} is set (oracle drafts, a benchmark-only mode that replaces the drafter's drafts by a "
             f"recorded continuation) but the target is served with --load-format {load_format or 'auto'} and "

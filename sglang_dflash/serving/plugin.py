@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..settings import (DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, ORACLE_DRAFTS as ORACLE_DRAFTS_ENV, WORKER as WORKER_ENV,
-                        current as settings)
+from ..settings import (DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, ORACLE_DRAFTS as ORACLE_DRAFTS_ENV, REDRAWN_DUMMY_INITS,
+                        WORKER as WORKER_ENV, current as settings)
 from .finish_order import update_finish_state_in_token_order  # no imports of its own: on every request's step
 
 logger = logging.getLogger("sglang_dflash")
@@ -49,7 +49,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     # before the worker choice: a run's plain, builtin and our servers must all hold the same random target
-    if settings().dummy_weights in ("model", "chain"):
+    if settings().dummy_weights in REDRAWN_DUMMY_INITS:
         HookRegistry.register(_DUMMY_WEIGHTS, _model_like_dummy_weights, HookType.AROUND)
     for flag in _OLD_FLAGS:
         if flag in os.environ:
