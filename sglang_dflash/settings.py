@@ -230,7 +230,8 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(VERIFY_ATTENTION, "verify_attention", _choice(*KERNELS), "ours", "ours, sglang",
            "the GPU attention kernel of the target's verify: ours (kernels/verify_attention.py) or SGLang's"),
     Switch(VERIFY_METADATA, "verify_metadata", _choice(*KERNELS), "ours", "ours, sglang",
-           "the verify's graph-replay attention metadata: one launch of ours or SGLang's eight"),
+           "the verify's graph-replay attention metadata: one launch of ours, or SGLang's eight (and a host sync on "
+           "sliding-window targets)"),
     Switch(GRAPH_HEAD, "graph_head", _flag(True), "1", "0, 1",
            "0 keeps the greedy draft head (lm_head + argmax) out of the draft CUDA graphs"),
     Switch(K, "k", _ints(one=True), "unset", "0 .. B-1",

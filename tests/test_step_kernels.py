@@ -58,12 +58,18 @@ BLOCK_CASES = [(1, 16, 16, torch.int64), (5, 16, 8, torch.int32), (9, 4, 2, torc
 
 # verify metadata: (bs, W, length dtype, mask pointers): over 128 requests (several prefix-sum iterations), rows over
 # 512 slots (several copy iterations), zero-length padded rows, W = 1
-META_CASES = [(1, 16, torch.int64, True), (130, 16, torch.int32, False), (7, 5, torch.int64, True),
-              (3, 1, torch.int32, True)]
+# window: None, or (sliding window size, whether the pool maps full slots to its own window slots); a window of 600
+# over rows of up to 700 slots crosses the copy loop's 512-slot iterations and leaves short rows whole
+META_CASES = [(1, 16, torch.int64, True, None), (130, 16, torch.int32, False, None), (7, 5, torch.int64, True, None),
+              (3, 1, torch.int32, True, None), (9, 16, torch.int64, True, (600, True)),
+              (130, 8, torch.int32, True, (127, False)), (4, 1, torch.int64, True, (1, True))]
 
 
-def metadata_case(bs: int, W: int, dt: torch.dtype, mask: bool, seed: int, device: str = "cpu"):
-    """(inputs, output buffers) of verify_metadata: SGLang's buffer dtypes (qo / mask int64, kv_indptr int32)."""
+def metadata_case(bs: int, W: int, dt: torch.dtype, mask: bool, window, seed: int, device: str = "cpu"):
+    """(inputs, output buffers) of verify_metadata: SGLang's buffer dtypes (qo / mask int64, kv_indptr int32; window
+    indptr / offsets int32, indices int64)."""
+    from sglang_dflash.kernels.verify_metadata import Window
+
     g = torch.Generator().manual_seed(seed)
     rows, max_len = bs + 3, 700
     req_to_token = torch.randperm(rows * max_len, generator=g).to(torch.int32).view(rows, max_len)
@@ -74,8 +80,24 @@ def metadata_case(bs: int, W: int, dt: torch.dtype, mask: bool, seed: int, devic
     outs = dict(qo_indptr=torch.full((bs + 4,), -7), kv_indptr=torch.full((bs + 4,), -7, dtype=torch.int32),
                 kv_indices=torch.full((int(seq_lens.sum()) + 9,), -7),
                 mask_indptr=torch.full((bs + 4,), -7) if mask else None)
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in args.items()}, \
-        {k: v.to(device) if v is not None else None for k, v in outs.items()}
+    move = lambda t: t.to(device) if torch.is_tensor(t) else t  # noqa: E731
+    args, outs = {k: move(v) for k, v in args.items()}, {k: move(v) for k, v in outs.items()}
+    if window is not None:
+        size, mapped = window
+        swa_map = torch.randperm(rows * max_len + 1, generator=g) if mapped else None
+        outs["window"] = Window(size, move(torch.full((bs + 4,), -7, dtype=torch.int32)),
+                                move(torch.full((bs * size + 9,), -7)), move(torch.full((bs + 2,), -7, dtype=torch.int32)),
+                                move(swa_map))
+    return args, outs
+
+
+def _same_outputs(got: dict, want: dict) -> bool:
+    def same(a, b):
+        return (a is None and b is None) or (torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a, b))
+
+    window = [(getattr(got.get("window"), f), getattr(want.get("window"), f))
+              for f in ("indptr", "indices", "offsets")] if got.get("window") is not None else []
+    return all(same(got[k], want[k]) for k in got if k != "window") and all(same(a, b) for a, b in window)
 
 
 def _hook_vs_sglang(device: str) -> dict[str, bool]:
@@ -88,8 +110,16 @@ def _hook_vs_sglang(device: str) -> dict[str, bool]:
 
     from sglang_dflash.serving.verify_metadata import update_target_verify_buffers
 
+    class SWAKVPool:  # SGLang's pool class is recognised by name; its translation is a mapping look-up
+        def __init__(self, mapping):
+            self.full_to_swa_index_mapping = mapping
+
+        def translate_loc_from_full_to_swa(self, kv_indices):
+            return self.full_to_swa_index_mapping[kv_indices]
+
     out = {}
-    for i, (bs, W) in enumerate(((1, 16), (9, 16), (4, 8))):
+    cases = ((1, 16, None), (9, 16, None), (4, 8, None), (9, 16, (100, False)), (5, 8, (37, True)), (3, 1, (64, True)))
+    for i, (bs, W, window) in enumerate(cases):
         g = torch.Generator().manual_seed(100 + i)
         req_to_token = torch.randperm(12 * 300, generator=g).to(torch.int32).view(12, 300).to(device)
         seq_lens = torch.randint(1, 300, (bs,), generator=g).to(device)
@@ -97,14 +127,21 @@ def _hook_vs_sglang(device: str) -> dict[str, bool]:
         spec = DFlashVerifyInput(draft_token=torch.zeros(bs * W, dtype=torch.int64, device=device),
                                  positions=torch.zeros(bs * W, dtype=torch.int64, device=device), draft_token_num=W)
 
+        size, mapped = window or (None, False)
+        pool = SWAKVPool(torch.randperm(12 * 300 + 1, generator=g).to(device)) if mapped else None
+
         def backend():
             ns = types.SimpleNamespace(
-                num_draft_tokens=16, device=device, req_to_token=req_to_token, sliding_window_size=None,
-                _verify_mask=None, token_to_kv_pool=None, window_kv_indptr=torch.zeros(17, dtype=torch.int32),
+                num_draft_tokens=16, device=device, req_to_token=req_to_token, sliding_window_size=size,
+                _verify_mask=None, token_to_kv_pool=pool, _translate_kv_loc=None,
+                window_kv_indptr=torch.zeros(17, dtype=torch.int32, device=device),
                 qo_indptr=torch.zeros(17, dtype=torch.int64, device=device),
                 kv_indptr=torch.zeros(17, dtype=torch.int32, device=device),
                 mask_indptr=torch.zeros(17, dtype=torch.int64, device=device),
-                cuda_graph_kv_indices=torch.zeros(16 * 300, dtype=torch.int64, device=device))
+                cuda_graph_kv_indices=torch.zeros(16 * 300, dtype=torch.int64, device=device),
+                cuda_graph_window_kv_indices=torch.zeros(16 * 300, dtype=torch.int64, device=device),
+                cuda_graph_window_num_kv_splits=torch.full((16,), 8, dtype=torch.int32, device=device),
+                cuda_graph_window_kv_offsets=torch.zeros(16, dtype=torch.int32, device=device))
             ns._fill_kv_indptr_and_indices = types.MethodType(TritonAttnBackend._fill_kv_indptr_and_indices, ns)
             return ns
 
@@ -112,9 +149,13 @@ def _hook_vs_sglang(device: str) -> dict[str, bool]:
         want = TritonAttnBackend._update_target_verify_buffers(theirs, bs, seq_lens, pool_rows, spec)
         got = update_target_verify_buffers(TritonAttnBackend._update_target_verify_buffers, ours, bs, seq_lens,
                                            pool_rows, spec)
-        same = all((a is None and b is None) or (torch.is_tensor(a) and torch.equal(a, b)) for a, b in zip(got, want))
-        bufs = ("qo_indptr", "kv_indptr", "mask_indptr", "cuda_graph_kv_indices")
-        out[f"hook {bs}x{W}"] = same and all(torch.equal(getattr(ours, k), getattr(theirs, k)) for k in bufs)
+        same = len(got) == len(want) and all(
+            (a is None and b is None) or (torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a, b))
+            for a, b in zip(got, want))
+        bufs = ("qo_indptr", "kv_indptr", "mask_indptr", "cuda_graph_kv_indices", "window_kv_indptr",
+                "cuda_graph_window_kv_indices", "cuda_graph_window_kv_offsets")
+        out[f"hook {bs}x{W}/window={window}"] = same and all(
+            torch.equal(getattr(ours, k), getattr(theirs, k)) for k in bufs)
     return out
 
 
@@ -135,13 +176,12 @@ def _kernel_vs_twin(device: str) -> dict[str, bool]:
         block_inputs(**args, **got)
         block_inputs_torch(**args, **want)
         out[f"block {bs}x{B}/W{W}/{dt}"] = all(torch.equal(got[k], want[k]) for k in got)
-    for i, (bs, W, dt, mask) in enumerate(META_CASES):
-        args, got = metadata_case(bs, W, dt, mask, seed=i, device=device)
-        _, want = metadata_case(bs, W, dt, mask, seed=i, device=device)
+    for i, (bs, W, dt, mask, window) in enumerate(META_CASES):
+        args, got = metadata_case(bs, W, dt, mask, window, seed=i, device=device)
+        _, want = metadata_case(bs, W, dt, mask, window, seed=i, device=device)
         verify_metadata(**args, **got)
         verify_metadata_torch(**args, **want)
-        out[f"metadata {bs}x{W}/{dt}/mask={mask}"] = all(
-            (got[k] is None and want[k] is None) or torch.equal(got[k], want[k]) for k in got)
+        out[f"metadata {bs}x{W}/{dt}/mask={mask}/window={window}"] = _same_outputs(got, want)
     out.update(_hook_vs_sglang(device))
     return out
 
@@ -189,7 +229,7 @@ def test_plain_accept_is_greedy_accept_at_width_one():
 def test_verify_metadata_torch_twin_is_the_definition():
     from sglang_dflash.kernels.verify_metadata import verify_metadata_torch
 
-    args, out = metadata_case(7, 5, torch.int32, True, seed=3)
+    args, out = metadata_case(7, 5, torch.int32, True, None, seed=3)
     verify_metadata_torch(**args, **out)
     lens, rows, r2t = args["seq_lens"].long(), args["pool_rows"].long(), args["req_to_token"]
     ends = [int(lens[:r].sum()) for r in range(8)]
@@ -201,7 +241,8 @@ def test_verify_metadata_torch_twin_is_the_definition():
 
 
 def test_verify_metadata_hook_leaves_other_cases_to_sglang(monkeypatch):
-    """EAGLE-style custom masks, sliding windows, other spec inputs and the switch run SGLang's function."""
+    """EAGLE-style custom masks, windows over slots we do not translate (a unified pool's, another pool's), other
+    spec inputs and the switch run SGLang's function."""
     import types
 
     from sglang_dflash.serving.verify_metadata import METADATA_ENV, update_target_verify_buffers
@@ -216,7 +257,10 @@ def test_verify_metadata_hook_leaves_other_cases_to_sglang(monkeypatch):
     plain = types.SimpleNamespace(sliding_window_size=None)
     for backend, spec in ((plain, DFlashVerifyInput(custom_mask=torch.ones(4))), (plain, None),
                           (plain, types.SimpleNamespace(custom_mask=None, draft_token_num=16)),
-                          (types.SimpleNamespace(sliding_window_size=512), DFlashVerifyInput())):
+                          (types.SimpleNamespace(sliding_window_size=512, _translate_kv_loc=lambda x: x),
+                           DFlashVerifyInput()),
+                          (types.SimpleNamespace(sliding_window_size=512, token_to_kv_pool=types.SimpleNamespace(
+                              translate_loc_from_full_to_swa=lambda x: x)), DFlashVerifyInput())):
         assert update_target_verify_buffers(sglang, backend, 1, torch.ones(1), torch.zeros(1), spec) == "sglang"
     monkeypatch.setenv(METADATA_ENV, "sglang")
     assert update_target_verify_buffers(sglang, plain, 1, torch.ones(1), torch.zeros(1), DFlashVerifyInput()) == \
@@ -232,7 +276,7 @@ def interpreted():
 
 
 def test_interpreted_kernels_equal_torch_twins(interpreted):
-    assert len(interpreted) == len(CASES) + len(BLOCK_CASES) + len(META_CASES) + 3
+    assert len(interpreted) == len(CASES) + len(BLOCK_CASES) + len(META_CASES) + 6
     assert_all_equal(interpreted)
 
 
