@@ -27,8 +27,9 @@
 #                                                                             -> /tmp/job/host-mr<N>[-c<C>]
 #   tau    the reference engine's held-out tau of DRAFTER on SmolLM2 in float32, T = 0 and 1 (TAU_PROMPTS, the
 #          carried prompts file: /tmp/prompts7.pt)                                             -> /tmp/job/tau
-#   prof   profile_step, Qwen3-8B shape: PROF_METHODS (ours-fixed,ours) at c = PROF_CONC (1,32), one server
-#          start per method                                                                        -> /tmp/job/prof
+#   prof   profile_step, PROF_SHAPE (qwen3-8b; any floor shape) on the chain target (DUMMY_WEIGHTS): PROF_METHODS
+#          (ours-fixed,ours; ours-k<N> pins a width) at c = PROF_CONC (1,32), one server start per method
+#                                                                                          -> $JOB/prof-<shape>
 #   ttft   issue #34 items 1, 2, 5: Qwen3-8B shape, TTFT_METHODS (none,builtin,ours,ours-fixed) then none again
 #          (--bracket), c = 1..128, each level's TTFT split into the server's own stages (queue, prefill forward;
 #          --enable-metrics + bench --server-metrics)                                              -> /tmp/job/ttft
@@ -65,6 +66,7 @@
 #          oracle_report.txt = each oracle server's last realised-tau / divergence line; ORACLE_DRIVER_ARGS: more
 #          driver arguments (e.g. --ours-env SGLANG_DFLASH_STEP_TRACE=$JOB/trace-{pid}.jsonl: every step's width and time)
 #                                                                               -> $JOB/oracle-<shape>-tau<T>
+# The big-shape phases (floor, oracle, prof) keep SGLang's prefill CUDA graphs; PREFILL_GRAPHS=0 runs prefill eagerly.
 # PHASES picks and orders them (default cost,fixed,smol,prof); $JOB/<phase>.done marks each finished phase,
 # $JOB/results.tar.gz holds every result so far (no traces). JOB defaults to /tmp/job, PORT to 30000.
 set -uo pipefail
@@ -91,8 +93,12 @@ big_shape_args() {  # SHAPE MAX_BS: sets $vocab (the random prompts' ids) and $c
     qwen3.5-*) vocab=248000; extra="--mamba-radix-cache-strategy extra_buffer" ;;  # the preset's hybrid flag
     *) vocab=151000 ;; esac
   local bs= b; for b in 1 2 4 8 16 32 64 128; do [ "$b" -le "$2" ] && bs="$bs $b"; done
+  # SGLang's own prefill CUDA graphs, its default and the launch presets': without them every small prefill is an eager
+  # forward, and speculation, whose requests finish at staggered times, runs ~3x more of them than plain decoding
+  # (results/oracle-prefill-graphs-h200). PREFILL_GRAPHS=0: eager prefill, as the runs before 2026-11-27 22:30 UTC
+  [ "${PREFILL_GRAPHS:-1}" = 1 ] || extra="$extra --disable-prefill-cuda-graph"
   common="--attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static ${FLOOR_MEM:-0.85}
- --cuda-graph-max-bs-decode $2 --max-running-requests $2 --trust-remote-code --disable-prefill-cuda-graph
+ --cuda-graph-max-bs-decode $2 --max-running-requests $2 --trust-remote-code
  --cuda-graph-bs-decode $bs $extra"
 }
 
@@ -189,9 +195,13 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
         > $JOB/kbench/defaults.txt 2>&1 ;;
     fixed) run_8b ours-fixed 0,1 ;;  # T = 1 at the same acceptance (~1) as greedy: the sampled verify's cost
     prof)
-      python3 -m benchmarks.profile_step --target "$SHAPE_DIR/target" --draft "$SHAPE_DIR/draft" --dummy \
+      shape=${PROF_SHAPE:-qwen3-8b}
+      big_shape_args "$shape" "$(echo "${PROF_CONC:-1,32}" | tr , '\n' | sort -n | tail -n 1)"
+      [ -d "/tmp/shape-$shape" ] || python3 -m sglang_dflash.targets.shapes write "$shape" "/tmp/shape-$shape" || exit 1
+      python3 -m benchmarks.profile_step --target "/tmp/shape-$shape/target" --draft "/tmp/shape-$shape/draft" \
+        --dummy --dummy-weights "${DUMMY_WEIGHTS:-chain}" --vocab "$vocab" \
         --methods "${PROF_METHODS:-ours-fixed,ours}" --concurrency "${PROF_CONC:-1,32}" \
-        --steps "${PROF_STEPS:-20}" --warmup-s 10 --out $JOB/prof --wait-s 300 --common-args "$COMMON_8B" ;;
+        --steps "${PROF_STEPS:-20}" --warmup-s 10 --out $JOB/prof-$shape --wait-s 300 --common-args "$common" ;;
     host)
       mkdir -p /tmp/pyspy_site
       python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy_site "${WHEELS:-/tmp/wheels}"/py_spy-*.whl
@@ -245,7 +255,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d floor-* oracle-8b tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
+  done_dirs=$(cd $JOB && ls -d floor-* oracle-* prof-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
     ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done

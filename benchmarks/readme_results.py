@@ -41,13 +41,19 @@ RUNS = (
         "acceptance ~1: the cost of a step, not a speedup"),
 )
 
-# the runs with level warm-up (bench --level-warmup 32, 16 requests per level at least), one H200 each
+# the runs with level warm-up, one H200 each: with SGLang's prefill CUDA graphs (its default, the presets'; 64+
+# requests per level, warm-up 128 / 64 tokens), then the earlier ones with eager prefill (16+ requests, warm-up 32)
 ORACLE_RUNS = (
-    Run("Qwen3-8B shape, tau 6.5", "oracle-chain-h200/run2-qwen3-8b-tau6.5/summary.json",
+    Run("Qwen3-8B shape, tau 6.5", "oracle-prefill-graphs-h200/qwen3-8b-tau6.5/summary.json",
         "Qwen3-8B-DFlash-b16's published acceptance"),
-    Run("Gemma-4-26B-A4B shape, tau 7.8", "oracle-chain-h200/run2-gemma-4-26b-a4b-tau7.8/summary.json",
+    Run("Gemma-4-26B-A4B shape, tau 7.8", "oracle-prefill-graphs-h200/gemma-4-26b-a4b-tau7.8/summary.json",
+        "the seed's tau; random routing"),
+    Run("Qwen3-8B shape, tau 6.5, eager prefill", "oracle-chain-h200/run2-qwen3-8b-tau6.5/summary.json",
+        "Qwen3-8B-DFlash-b16's published acceptance"),
+    Run("Gemma-4-26B-A4B shape, tau 7.8, eager prefill", "oracle-chain-h200/run2-gemma-4-26b-a4b-tau7.8/summary.json",
         "the seed's tau; random routing"),
 )
+ORACLE_PLOTTED = ORACLE_RUNS[:2]  # the plot shows the runs as users serve (prefill graphs on)
 ORACLE_METHODS = (("ours-oracle", "ours (adaptive)"), ("ours-fixed-oracle", "ours-fixed (k = 15)"),
                   ("ours-k7-oracle", "ours, k = 7 pinned"))
 
@@ -66,25 +72,28 @@ def load_oracle(run: Run) -> tuple[dict, dict[int, dict[str, tuple[float, float]
 
 def oracle_table() -> str:
     rows = ["| target shape, full-block tau (device, date) | concurrency | ours (adaptive) / plain | "
-            "ours-fixed / plain | ours k = 7 / plain | realised tau (adaptive, fixed) |", "|---|---|---|---|---|---|"]
+            "ours-fixed / plain | ours k = 7 / plain | realised tau (adaptive, fixed or k = 7) |",
+            "|---|---|---|---|---|---|"]
     for run in ORACLE_RUNS:
         env, per_c = load_oracle(run)
         for c, m in per_c.items():
-            k7 = f"{m['ours-k7-oracle'][0]:.2f}" if "ours-k7-oracle" in m else "-"
-            rows.append(f"| {run.label} ({device_and_date(env)}) | {c} | {m['ours-oracle'][0]:.2f} | "
-                        f"{m['ours-fixed-oracle'][0]:.2f} | {k7} | {m['ours-oracle'][1]:.2f}, "
-                        f"{m['ours-fixed-oracle'][1]:.2f} |")
+            ratio = lambda method: f"{m[method][0]:.2f}" if method in m else "-"  # noqa: E731
+            other = m.get("ours-fixed-oracle", m.get("ours-k7-oracle"))
+            rows.append(f"| {run.label} ({device_and_date(env)}) | {c} | {ratio('ours-oracle')} | "
+                        f"{ratio('ours-fixed-oracle')} | {ratio('ours-k7-oracle')} | {m['ours-oracle'][1]:.2f}, "
+                        f"{other[1]:.2f} |")
     return "\n".join(rows) + "\n"
 
 
 def oracle_plot(out: Path = ORACLE_PLOT) -> Path:
     def draw(ax, per_c, cs):
-        for (method, name), marker in zip(ORACLE_METHODS, "osD"):
-            if all(method in per_c[c] for c in cs):
-                ax.plot(cs, [per_c[c][method][0] for c in cs], marker=marker, label=name)
+        for i, ((method, name), marker) in enumerate(zip(ORACLE_METHODS, "osD")):
+            if all(method in per_c[c] for c in cs):  # one colour per method in every panel
+                ax.plot(cs, [per_c[c][method][0] for c in cs], marker=marker, color=f"C{i}", label=name)
         ax.axhline(1.0, color="grey", lw=1, ls="--", label="plain decoding")
+        ax.legend(fontsize=8)
 
-    return _panels(ORACLE_RUNS, load_oracle, draw, "tok/s over plain decoding", lambda run, env: (
+    return _panels(ORACLE_PLOTTED, load_oracle, draw, "tok/s over plain decoding", lambda run, env: (
         f"{run.label} ({run.note})\noracle drafts, real step costs, random weights\n{device_and_date(env)}"), out)
 
 
