@@ -460,3 +460,18 @@ def test_tree_tau_replay_and_held_out_split():
              "gsm": [{"dataset": "gsm", "uid": f"gsm_symbolic/0/{i}"} for i in range(5)]}
     kept = [it["uid"] for it in held_out(items, 2)]
     assert kept == ["HumanEval/0", "HumanEval/4", "mtbench/82", "mtbench/84", "gsm_symbolic/0/0", "gsm_symbolic/0/1"]
+
+
+def test_step_trace_wall_split_counts_cycles_that_held_a_prefill():
+    """The wall line: gaps after a cycle with a prefill inside (cycle_ms None) apart from decode cycles, idle gaps
+    between benchmark levels left out."""
+    from benchmarks import step_trace
+
+    def step(t, cycle):
+        return {"t": t, "k": 7, "bs": 8, "cycle_ms": cycle}
+
+    rows = [step(0.00, 10.0), step(0.01, None), step(0.05, 10.0), step(0.06, 10.0), step(2.00, None), step(2.03, 1.0)]
+    wall = step_trace.wall_split(rows)
+    assert wall["decode_s"] == pytest.approx(0.02) and wall["with_prefill_s"] == pytest.approx(0.07)
+    assert wall["with_prefill_cycles"] == 2 and wall["with_prefill_share"] == pytest.approx(0.07 / 0.09, abs=1e-3)
+    assert wall["with_prefill_cycle_ms_median"] == pytest.approx(35.0)
