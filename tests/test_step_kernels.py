@@ -86,8 +86,8 @@ def metadata_case(bs: int, W: int, dt: torch.dtype, mask: bool, window, seed: in
         size, mapped = window
         swa_map = torch.randperm(rows * max_len + 1, generator=g) if mapped else None
         outs["window"] = Window(size, move(torch.full((bs + 4,), -7, dtype=torch.int32)),
-                                move(torch.full((bs * size + 9,), -7)), move(torch.full((bs + 2,), -7, dtype=torch.int32)),
-                                move(swa_map))
+                                move(torch.full((bs * size + 9,), -7)),
+                                move(torch.full((bs + 2,), -7, dtype=torch.int32)), move(swa_map))
     return args, outs
 
 
