@@ -22,11 +22,12 @@ index buffer by a device scalar, ``.item()``), which stalls the host on every ve
 has drained: overlap scheduling then hides nothing (profile of the Gemma-4-26B-A4B shape, 2026-11-27).
 
 ``TritonAttnBackend._update_target_verify_buffers`` does the non-window part with eight small launches (an arange,
-two cumsums, their slice copies, the mask lengths' arithmetic and the index-copy kernel); on a host-bound target they cost
-~0.5 ms of a 3.4 ms step, twice per step (py-spy, benchmarks/results/host-profile-smollm2-h100). ``verify_metadata``
-writes all four with one launch: program ``r`` sums the lengths before it (``bs`` is at most a few hundred, so the
-O(bs^2) loads are nothing next to a launch) and copies its own slot row. ``verify_metadata_torch`` is the same
-function in torch: the reference (``tests/test_step_kernels.py``, Triton's interpreter on CPU).
+two cumsums, their slice copies, the mask lengths' arithmetic and the index-copy kernel); on a host-bound target
+they cost ~0.5 ms of a 3.4 ms step, twice per step (py-spy, benchmarks/results/host-profile-smollm2-h100).
+``verify_metadata`` writes all of it with one launch: program ``r`` sums the lengths before it (``bs`` is at most a
+few hundred, so the O(bs^2) loads are nothing next to a launch) and copies its own slot row (and its window's).
+``verify_metadata_torch`` is the same function in torch: the reference (``tests/test_step_kernels.py``, Triton's
+interpreter on CPU).
 """
 
 from __future__ import annotations
