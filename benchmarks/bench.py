@@ -17,6 +17,7 @@ import asyncio
 import datetime as dt
 import gzip
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -56,8 +57,11 @@ def environment() -> dict:
         except Exception:
             env[mod] = None
     try:
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)
+        # the GPUs this process sees: nvidia-smi lists every GPU of the host unless told which
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        which = ["-i", visible] if visible and all(x.strip().isdigit() for x in visible.split(",")) else []
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader",
+                            *which], capture_output=True, text=True, timeout=20)
         env["device"] = q.stdout.strip() or None
     except Exception:
         env["device"] = None

@@ -15,6 +15,7 @@ import os
 
 from ..settings import (DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, ORACLE_DRAFTS as ORACLE_DRAFTS_ENV, REDRAWN_DUMMY_INITS,
                         WORKER as WORKER_ENV, current as settings)
+from . import memory_plan  # import-light: its SGLang and torch imports are inside the hook
 from .finish_order import update_finish_state_in_token_order  # no imports of its own: on every request's step
 
 logger = logging.getLogger("sglang_dflash")
@@ -39,6 +40,7 @@ _PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_gro
 _FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 _SCHEDULER_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_model_worker"
 _DUMMY_WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
+_SWA_POOL_PLAN = "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__"
 
 
 def selected_worker() -> str:
@@ -88,6 +90,9 @@ def register() -> None:
     HookRegistry.register(_FINISH_STATE, update_finish_state_in_token_order, around)
     # new requests are admitted as in plain decoding: no DFLASH min-free-slots prefill delay (admission.py)
     HookRegistry.register(_SCHEDULER_WORKER, _scheduler_init_model_worker, around)
+    # a sliding-window target's memory plan pays for the drafter's KV pool too, as a plain target's does
+    # (memory_plan.py: SGLang 0.5.17 leaves it out, and the gpt-oss preset ran out of memory)
+    HookRegistry.register(_SWA_POOL_PLAN, memory_plan.budget_draft_pool, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
     # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
     # a stream-free FutureMap read under overlap scheduling.
