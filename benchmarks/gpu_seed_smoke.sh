@@ -6,22 +6,25 @@
 # benchmarks/results/seed-recipes are skipped, so a later session goes on from the commit.
 #   bash benchmarks/gpu_seed_smoke.sh                 # in every call, from the repo root (after any gpu_stage.sh)
 # DEADLINE_S (default 540): no phase starts later than PHASE_S (300 s) before it; RECIPES=a,b picks recipes.
-# Results: /tmp/seed-smoke/<recipe>/ (driver folders) and <recipe>.json (records); $OUT/seed-smoke.tar.gz
+# Two recipes at once on a two-GPU machine: one job per GPU, each with its own port and folder, e.g.
+#   CUDA_VISIBLE_DEVICES=1 PORT=30001 RUN=/tmp/seed-smoke1 RECIPES=llama3.1-8b-instruct bash benchmarks/gpu_seed_smoke.sh
+# Results: $RUN (/tmp/seed-smoke)/<recipe>/ (driver folders) and <recipe>.json (records); $OUT/seed-smoke.tar.gz
 # (records, summaries, gzipped server logs; greedy outputs left out) and $OUT/table.md after each call.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
-RUN=/tmp/seed-smoke
+RUN=${RUN:-/tmp/seed-smoke}
 mkdir -p "$RUN"
 python3 -m benchmarks.seed_recipes run --out "$RUN" --done benchmarks/results/seed-recipes \
-  --deadline-s "${DEADLINE_S:-540}" ${RECIPES:+--recipes "$RECIPES"}
+  --deadline-s "${DEADLINE_S:-540}" --port "${PORT:-30000}" ${RECIPES:+--recipes "$RECIPES"}
 rc=$?
-rm -rf /tmp/seed-table && mkdir -p /tmp/seed-table
-cp benchmarks/results/seed-recipes/*.json "$RUN"/*.json /tmp/seed-table/ 2>/dev/null
-python3 -m benchmarks.seed_recipes table /tmp/seed-table > /dev/null
+table=$RUN-table
+rm -rf "$table" && mkdir -p "$table"
+cp benchmarks/results/seed-recipes/*.json "$RUN"/*.json "$table"/ 2>/dev/null
+python3 -m benchmarks.seed_recipes table "$table" > /dev/null
 if [ -n "${OUT:-}" ]; then
   find "$RUN" -name '*.server.log' -exec gzip -f {} \;
   tar czf "$OUT/seed-smoke.tar.gz" -C "$RUN" --exclude='*.outputs.jsonl.gz' --exclude='*.png' . \
-    && cp /tmp/seed-table/table.md "$OUT/"
-  cat /tmp/seed-table/table.md
+    && cp "$table"/table.md "$OUT/"
+  cat "$table"/table.md
 fi
 exit $rc
