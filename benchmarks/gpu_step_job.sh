@@ -56,6 +56,12 @@
 #          decoding's is judged on it (benchmarks/greedy_judge.py)                             -> $JOB/floor-<shape>
 #          Two shapes side by side on a two-GPU machine: one job per GPU, each with its own JOB and PORT, e.g.
 #          CUDA_VISIBLE_DEVICES=1 JOB=/tmp/job1 PORT=30001 PHASES=floor FLOOR_SHAPE=... bash benchmarks/gpu_step_job.sh
+#   tp2, tp2gemma  issue #46 item 2: --tp-size 2 over the machine's two GPUs, Qwen3-8B / Gemma-4-31B shape (chain
+#          weights, prefill graphs as the big-shape phases): TP2_METHODS (none,ours-fixed,ours,builtin) then none again
+#          (--bracket, the judge), greedy, c = 1, 8, 32, 64                                     -> $JOB/tp2, $JOB/tp2gemma
+#   tp2eq  greedy equality at --tp-size 2 on many prompts: TP2EQ_SHAPES (qwen3-8b,gemma-4-31b-it) x TP2EQ_METHODS
+#          (none,ours,ours-fixed), 256 prompts at c = 1 and at c = 32, 64 new tokens each       -> $JOB/tp2eq-<shape>
+#          (these three were gpu_breadth_job.sh's, retired 2026-11-28 with its older phases)
 #   oracle issue #45 items 2, 3: real speedups at a stated acceptance, ORACLE_SHAPE (qwen3-8b; any floor shape) on the
 #          chain target (random weights + the decisive head: the target follows its recording at every batch shape):
 #          ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin; ours-k<N>-oracle too), greedy,
@@ -177,6 +183,24 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       OUT= RUN=$JOB/floor-$shape SHAPE=$shape METHODS="${FLOOR_METHODS:-none,ours,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=${FLOOR_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common" \
         DRIVER_ARGS="--bracket --port ${PORT:-30000} --dummy-weights ${DUMMY_WEIGHTS:-chain}" bash benchmarks/gpu_cost_run.sh ;;
+    tp2|tp2gemma)
+      shape=qwen3-8b; [ "$phase" = tp2gemma ] && shape=gemma-4-31b-it
+      big_shape_args "$shape" 64
+      OUT= RUN=$JOB/$phase SHAPE=$shape METHODS="${TP2_METHODS:-none,ours-fixed,ours,builtin}" TEMPERATURES=0 \
+        CONCURRENCY=1,8,32,64 ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common --tp-size 2" \
+        DRIVER_ARGS="--bracket --port ${PORT:-30000} --dummy-weights ${DUMMY_WEIGHTS:-chain}" bash benchmarks/gpu_cost_run.sh ;;
+    tp2eq)
+      for shape in $(echo "${TP2EQ_SHAPES:-qwen3-8b,gemma-4-31b-it}" | tr , ' '); do
+        big_shape_args "$shape" 32
+        [ -d "/tmp/shape-$shape" ] || python3 -m sglang_dflash.targets.shapes write "$shape" "/tmp/shape-$shape"
+        python3 -m benchmarks.driver --target "/tmp/shape-$shape/target" --draft "/tmp/shape-$shape/draft" --dummy \
+          --dummy-weights "${DUMMY_WEIGHTS:-chain}" --methods "${TP2EQ_METHODS:-none,ours,ours-fixed}" \
+          --out "$JOB/tp2eq-$shape" --wait-s 400 --port "${PORT:-30000}" --common-args "$common --tp-size 2" \
+          --title "$shape at --tp-size 2: greedy equality" -- --datasets random --temperatures 0 --concurrency 1,32 \
+          --max-new-tokens 64 --ignore-eos --random-input-len 128 --random-vocab "$vocab" --rounds 1 --min-convs 256 \
+          --no-progress
+        python3 -m benchmarks.report "$JOB/tp2eq-$shape" --title "$shape at --tp-size 2: greedy equality" >/dev/null
+      done ;;
     oracle)
       shape=${ORACLE_SHAPE:-qwen3-8b}
       big_shape_args "$shape" "$(echo "${ORACLE_CONC:-1,8,32,64}" | tr , '\n' | sort -n | tail -n 1)"
@@ -255,7 +279,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d floor-* oracle-* prof-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
+  done_dirs=$(cd $JOB && ls -d floor-* oracle-* prof-* tp2 tp2gemma tp2eq-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
     ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
