@@ -18,6 +18,10 @@ import contextlib
 import logging
 import time
 
+import torch
+
+from .errors import DFlashStartupError
+
 logger = logging.getLogger("sglang_dflash")
 
 
@@ -43,7 +47,13 @@ class VerifyWidths:
                 continue
             t0, before = time.perf_counter(), get_available_gpu_memory(mr.device, mr.gpu_id)
             backend = mr._get_attention_backend()
-            runner = DecodeCudaGraphRunner(mr, attn_backend=backend, speculative_num_draft_tokens=width)
+            try:
+                runner = DecodeCudaGraphRunner(mr, attn_backend=backend, speculative_num_draft_tokens=width)
+            except Exception as e:  # SGLang wraps a capture's OutOfMemoryError into a plain Exception
+                if not _out_of_memory(e):
+                    raise
+                raise out_of_memory(width, self.widths, self.block, before, self.graph_memory_gb,
+                                    getattr(mr.server_args, "mem_fraction_static", None)) from e
             used = before - get_available_gpu_memory(mr.device, mr.gpu_id)
             self.graph_memory_gb += used
             self._extra[width] = (runner, backend)
@@ -64,3 +74,24 @@ class VerifyWidths:
             yield
         finally:
             mr.decode_cuda_graph_runner, mr.attn_backend = saved
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return any(isinstance(x, torch.OutOfMemoryError) or "out of memory" in str(x).lower()
+               for x in (e, e.__cause__, e.__context__) if x is not None)
+
+
+def out_of_memory(width: int, widths: list[int], block: int, free_gb: float, captured_gb: float,
+                  mem_fraction_static: float | None) -> DFlashStartupError:
+    """The start-up error for a GPU that has no room for the graphs of an extra verify width (SGLang plans its own
+    graphs' memory, not these): what ran out, and the ways out."""
+    lower = (f"--mem-fraction-static {max(mem_fraction_static - 0.05, 0.05):.2f} (now {mem_fraction_static:.2f}), "
+             if mem_fraction_static else "a lower --mem-fraction-static, ")
+    ks = ",".join(str(w - 1) for w in widths if w < width or w == block)  # the widths already captured
+    return DFlashStartupError(
+        f"out of GPU memory capturing the target's verify CUDA graphs at width {width} ({free_gb:.2f} GB were free "
+        f"after {captured_gb:.2f} GB of the other extra widths; widths {widths} = k + 1 for the adaptive worker's k "
+        f"values). The KV cache takes what --mem-fraction-static gives it, and these graphs come out of the rest. "
+        f"Fix: {lower}or a lower --cuda-graph-max-bs-decode, or fewer widths (SGLANG_DFLASH_WIDTHS={ks}, or "
+        "SGLANG_DFLASH_ADAPTIVE=0 for the full block alone)")
+
