@@ -25,6 +25,8 @@
 #          per concurrency in HOST_CONC ("1") and --max-running-requests in HOST_MAXRUN ("128"; the decode graphs
 #          follow it), memory fraction HOST_MEM (0.5; lower it to share the GPU with another job)
 #                                                                             -> /tmp/job/host-mr<N>[-c<C>]
+#          HOST_SHAPE=<a floor shape>: that shape on the chain weights instead, HOST_METHODS (none,ours-k0) per
+#          concurrency in HOST_CONC                                                    -> $JOB/host-<shape>-c<C>
 #   tau    the reference engine's held-out tau of DRAFTER on SmolLM2 in float32, T = 0 and 1 (TAU_PROMPTS, the
 #          carried prompts file: /tmp/prompts7.pt)                                             -> /tmp/job/tau
 #   prof   profile_step, PROF_SHAPE (qwen3-8b; any floor shape) on the chain target (DUMMY_WEIGHTS): PROF_METHODS
@@ -229,20 +231,32 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
     host)
       mkdir -p /tmp/pyspy_site
       python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy_site "${WHEELS:-/tmp/wheels}"/py_spy-*.whl
-      wait_smollm2
-      for mr in ${HOST_MAXRUN:-128}; do
-        common=$(echo "$COMMON_SMOL" | sed \
-          -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
-          -e "s/--cuda-graph-max-bs-decode [0-9]*/--cuda-graph-max-bs-decode $mr/" \
-          -e "s/--max-running-requests [0-9]*/--max-running-requests $mr/")
+      if [ -n "${HOST_SHAPE:-}" ]; then  # a big shape on random weights (chain): whose Python a host-bound step waits for
+        big_shape_args "$HOST_SHAPE" "$(echo "${HOST_CONC:-1}" | tr ' ' '\n' | sort -n | tail -n 1)"
+        [ -d "/tmp/shape-$HOST_SHAPE" ] || python3 -m sglang_dflash.targets.shapes write "$HOST_SHAPE" "/tmp/shape-$HOST_SHAPE"
         for conc in ${HOST_CONC:-1}; do
-          dir=$JOB/host-mr$mr; [ "${HOST_CONC:-1}" = 1 ] || dir=$dir-c$conc
-          python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" \
-            --py-spy /tmp/pyspy_site/bin/py-spy --methods "${HOST_METHODS:-none,builtin,ours-fixed}" \
-            --concurrency "$conc" --vocab 49000 \
-            --seconds "${HOST_S:-20}" --out "$dir" --wait-s 300 --common-args "$common"
+          python3 -m benchmarks.host_profile --target "/tmp/shape-$HOST_SHAPE/target" \
+            --draft "/tmp/shape-$HOST_SHAPE/draft" --dummy --dummy-weights "${DUMMY_WEIGHTS:-chain}" \
+            --py-spy /tmp/pyspy_site/bin/py-spy --methods "${HOST_METHODS:-none,ours-k0}" --concurrency "$conc" \
+            --vocab "$vocab" --seconds "${HOST_S:-20}" --out "$JOB/host-$HOST_SHAPE-c$conc" --wait-s 400 \
+            --port "${PORT:-30000}" --common-args "$common"
         done
-      done ;;
+      else
+        wait_smollm2
+        for mr in ${HOST_MAXRUN:-128}; do
+          common=$(echo "$COMMON_SMOL" | sed \
+            -e "s/--mem-fraction-static [0-9.]*/--mem-fraction-static ${HOST_MEM:-0.5}/" \
+            -e "s/--cuda-graph-max-bs-decode [0-9]*/--cuda-graph-max-bs-decode $mr/" \
+            -e "s/--max-running-requests [0-9]*/--max-running-requests $mr/")
+          for conc in ${HOST_CONC:-1}; do
+            dir=$JOB/host-mr$mr; [ "${HOST_CONC:-1}" = 1 ] || dir=$dir-c$conc
+            python3 -m benchmarks.host_profile --target /tmp/smollm2 --draft "$DRAFTER" \
+              --py-spy /tmp/pyspy_site/bin/py-spy --methods "${HOST_METHODS:-none,builtin,ours-fixed}" \
+              --concurrency "$conc" --vocab 49000 \
+              --seconds "${HOST_S:-20}" --out "$dir" --wait-s 300 --common-args "$common"
+          done
+        done
+      fi ;;
     tau)
       wait_smollm2
       mkdir -p $JOB/tau
@@ -280,7 +294,7 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
   done_dirs=$(cd $JOB && ls -d floor-* oracle-* prof-* tp2 tp2gemma tp2eq-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
-    ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-mr* 2>/dev/null)
+    ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"
