@@ -37,6 +37,7 @@ CACHE = "SGLANG_DFLASH_CACHE"
 TREE = "SGLANG_DFLASH_TREE"
 DUMMY_WEIGHTS = "SGLANG_DFLASH_DUMMY_WEIGHTS"
 REPLAY_SSM = "SGLANG_DFLASH_REPLAY_SSM"
+PD = "SGLANG_DFLASH_PD"
 ORACLE_DRAFTS = "SGLANG_DFLASH_ORACLE_DRAFTS"
 ORACLE_PROFILE = "SGLANG_DFLASH_ORACLE_PROFILE"
 
@@ -274,6 +275,12 @@ SWITCHES: tuple[Switch, ...] = (
            "(serving/recurrent_state.py); lossless under Triton's interpreter with SGLang's own kernels; on an H200 "
            "it kept 64 running requests where snapshots allowed 18, but greedy equality on a GPU is not established "
            "yet (the random targets tie in bf16), hence off by default. Passing the flag itself works the same"),
+    Switch(PD, "pd", _flag(False), "0", "0, 1",
+           "1: serve --disaggregation-mode prefill / decode (issue #49, serving/disagg.py, docs/notes-pd.md): the "
+           "prefill server writes the drafter's context K/V, SGLang's transfer moves the drafter's pool beside the "
+           "target's, the decode server starts each relayed request from its first token. Experimental until its GPU "
+           "equality run: without it both modes are refused at start-up. Both servers must run the same target, "
+           "drafter and --tp-size (the transfer pairs their pools by position)"),
     Switch(ORACLE_DRAFTS, "oracle_drafts", _text, "unset", "recording file (JSON)",
            "benchmarks only, issue #45: oracle drafts. The drafter runs its real forward, then our worker replaces the "
            "drafts of each recorded request by the plain run's greedy continuation, cut by "
@@ -316,6 +323,7 @@ class Settings:
     tree: int  # range-checked against the block size by tree_size
     dummy_weights: str
     replay_ssm: bool
+    pd: bool
     oracle_drafts: str | None
     oracle_profile: OracleProfile
 

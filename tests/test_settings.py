@@ -25,7 +25,7 @@ def test_defaults():
     assert s.log_every_s == 30.0 and s.cache == Path.home() / ".cache" / "sglang_dflash"
     assert [f.name for f in dataclasses.fields(Settings)] == [sw.field for sw in settings.SWITCHES]
     assert s.tree == 0
-    assert len(settings.SWITCHES) == 19
+    assert len(settings.SWITCHES) == 20
 
 
 def test_values_are_parsed():

@@ -28,6 +28,9 @@ What differs between 0.5.17 and 0.5.23, and where each difference is handled:
   target that is not KDA, a refusal aimed at their own DFLASH worker's commit, which our worker does not use
   (module global ``kimi_linear_config`` in 0.5.17, field ``hybrid_kda_config`` in 0.5.23).
   -> :data:`REPLAY_SSM_AUTO`, :data:`HYBRID_REQ_POOL_HOOK`, :func:`replay_pool_for_gdn`.
+- prefill-decode disaggregation (disagg.py): the relay hooks were written against 0.5.17's decode scheduler; the
+  draft-input builder takes (batch, server_args, last_tokens, future_map) there and (batch, last_tokens, future_map)
+  in 0.5.23, which also has its own DFLASH relay. -> :func:`pd_release_ok`.
 """
 
 from __future__ import annotations
@@ -187,6 +190,13 @@ def reserved_lens_cpu(state):
     if lens is None:
         lens = getattr(state, "reserved_seq_lens_cpu", None)  # 0.5.17
     return lens
+
+
+# ---------------------------------------------------------------------------- prefill-decode disaggregation (#49)
+def pd_release_ok() -> bool:
+    """Whether our relay hooks (disagg.py) were read against this release's disaggregation code: 0.5.17 only (0.5.23
+    has its own DFLASH relay for its worker and another decode scheduler, not read yet)."""
+    return _AT_MOST_0_5_17
 
 
 # ------------------------------------------------------------------------------ recurrent state: the replay commit

@@ -173,6 +173,16 @@ class SamplingControls:
         seen.scatter_(1, first, True)
         self.table.store(idx, freq_acc, seen, out_len + 1)
 
+    def on_relay(self, batch) -> None:
+        """Prefill-decode disaggregation: the relayed requests' slots (their prefill ran on another server) to the
+        state after the output they bring (the prefill's first token; all of it for a retracted one that resumes):
+        what `on_prefill` stores for a request prefilled here (disagg.py)."""
+        idx = self._begin(batch)
+        if idx is None:
+            return
+        freq_acc, seen, out_len = self._earlier_output(batch.reqs, idx)
+        self.table.store(idx, freq_acc, seen, out_len)
+
     # ------------------------------------------------------------------------------------------ decode step
     @staticmethod
     def grammar_chain(batch, block_ids: torch.Tensor):

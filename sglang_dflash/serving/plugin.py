@@ -15,7 +15,7 @@ import os
 
 from ..settings import (DUMMY_WEIGHTS as DUMMY_WEIGHTS_ENV, ORACLE_DRAFTS as ORACLE_DRAFTS_ENV, REDRAWN_DUMMY_INITS,
                         WORKER as WORKER_ENV, current as settings)
-from . import memory_plan  # import-light: its SGLang and torch imports are inside the hook
+from . import disagg, memory_plan  # import-light: their SGLang and torch imports are inside the hooks
 from .finish_order import update_finish_state_in_token_order  # no imports of its own: on every request's step
 
 logger = logging.getLogger("sglang_dflash")
@@ -41,6 +41,7 @@ _FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 _SCHEDULER_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_model_worker"
 _DUMMY_WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 _SWA_POOL_PLAN = "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__"
+_PREBUILT = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch"
 
 
 def selected_worker() -> str:
@@ -93,6 +94,10 @@ def register() -> None:
     # a sliding-window target's memory plan pays for the drafter's KV pool too, as a plain target's does
     # (memory_plan.py: SGLang 0.5.17 leaves it out, and the gpt-oss preset ran out of memory)
     HookRegistry.register(_SWA_POOL_PLAN, memory_plan.budget_draft_pool, around)
+    # prefill-decode disaggregation, decode side: a relayed request's draft input and slot state (disagg.py; the
+    # modes are refused at start-up unless SGLANG_DFLASH_PD=1)
+    HookRegistry.register(f"{_SPEC}.build_disagg_draft_input", disagg.build_disagg_draft_input, around)
+    HookRegistry.register(_PREBUILT, disagg.prebuilt_batch, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
     # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
     # a stream-free FutureMap read under overlap scheduling.

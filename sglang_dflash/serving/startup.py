@@ -371,13 +371,11 @@ def handle_dflash_args(original, server_args) -> None:
     if compat.dp_attention_enabled(server_args):
         raise DFlashStartupError("--enable-dp-attention is not supported by the sglang-dflash worker. "
                                  "Fix: drop it (tensor parallelism works)")
-    mode = str(getattr(server_args, "disaggregation_mode", None) or "null")
-    if mode != "null":  # issue #49: the decode side would get no drafter context for a relayed request
-        raise DFlashStartupError(
-            f"--disaggregation-mode {mode}: prefill-decode disaggregation is not served by the sglang-dflash worker "
-            "yet (a decode server would start a relayed request without the drafter's context K/V; SGLang 0.5.17's "
-            "own DFLASH has no draft input there either, sgl-project/sglang#36140). Fix: serve DFLASH on one server "
-            "(drop --disaggregation-mode), or run the prefill-decode pair without --speculative-algorithm")
+    from . import disagg
+    from ..settings import current as settings
+
+    disagg.check_at_launch(server_args, _target_config(server_args), pd_switch=settings().pd,
+                           release_ok=compat.pd_release_ok(), oracle=bool(settings().oracle_drafts))
     check_tensor_parallel(cfg, server_args)
     tree = check_tree(cfg, server_args)
     check_context_length(cfg, server_args)
@@ -402,7 +400,7 @@ def handle_dflash_args(original, server_args) -> None:
                     speculative_eagle_topk=1)
     resolve_draft_attention_backend(record)
     check_replay_ssm(server_args, record)
-    if server_args.max_running_requests is None:
+    if server_args.max_running_requests is None and str(server_args.disaggregation_mode or "null") != "prefill":
         compat.set_args(record, source, max_running_requests=48)
         logger.info("sglang-dflash: --max-running-requests defaults to 48 with DFLASH (pass it to change)")
     if server_args.enable_mixed_chunk:

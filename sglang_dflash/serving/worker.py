@@ -382,6 +382,13 @@ class DFlashWorker(BaseSpecWorker):
         out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
         return out
 
+    def on_relayed(self, batch):
+        """Prefill-decode disaggregation, decode side: requests whose prefill (and our `_prefill`) ran on the
+        prefill server join here without a forward; their slots' controls and seeds are set as a prefill would
+        (disagg.py). Their draft input is `disagg.relayed_draft_input`'s; the drafter's context came with the KV."""
+        self._controls.on_relay(batch)
+        self._seeds.on_prefill(batch)
+
     def _idle(self, on_publish):
         empty64 = torch.empty((0,), dtype=torch.int64, device=self.device)
         nxt = make_draft_input_v2(bonus_tokens=empty64, new_seq_lens=empty64)
