@@ -16,7 +16,8 @@ A PD pair prefills a request on one server and decodes it on another. With our w
   the bonus and the lengths;
 - a relayed request never ran our `_prefill` on this server, so its per-slot state (penalty rows, seeds) would be
   its slot's previous occupant's: `DFlashWorker.on_relayed` sets it from the request's output so far (the first
-  token; all of it for a retracted request that resumes).
+  token; all of it for a retracted request that resumes);
+- a decode server retracts by copying a request's KV to host memory and back: the drafter's rows go with it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,41 @@ def prebuilt_batch(original, self, *args, **kwargs):
     if batch is not None and on_relayed is not None:
         on_relayed(batch)
     return batch
+
+
+# --------------------------------------------------------------------------- retraction on the decode server
+# A decode server retracts a request by copying its KV to host memory and back into new slots later
+# (`Req.offload_kv_cache` / `load_kv_cache`: the target's pool only). The drafter's context for those positions must
+# travel with it, or the resumed request drafts from whatever its new slots held (lossless, but no draft accepted).
+# One worker per scheduler process: it names its drafter pool here (a callable: the pool is built after the worker).
+_draft_pool = None
+
+
+def keep_draft_pool(get_pool) -> None:
+    global _draft_pool
+    _draft_pool = get_pool
+
+
+def _rows(req, req_to_token_pool):
+    return req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1]  # SGLang's own rows for the copy
+
+
+def offload_kv_cache(original, self, req_to_token_pool, *args, **kwargs):
+    """Around `Req.offload_kv_cache`: the drafter's rows go to host memory with the target's."""
+    out = original(self, req_to_token_pool, *args, **kwargs)
+    if _draft_pool is not None:
+        self.dflash_draft_kv_cpu = _draft_pool().get_cpu_copy(_rows(self, req_to_token_pool))
+    return out
+
+
+def load_kv_cache(original, self, req_to_token_pool, *args, **kwargs):
+    """Around `Req.load_kv_cache`: and back, into the request's new slots."""
+    out = original(self, req_to_token_pool, *args, **kwargs)
+    saved = getattr(self, "dflash_draft_kv_cpu", None)
+    if _draft_pool is not None and saved is not None:
+        _draft_pool().load_cpu_copy(saved, _rows(self, req_to_token_pool))
+        self.dflash_draft_kv_cpu = None
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- start-up

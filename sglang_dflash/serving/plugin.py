@@ -37,7 +37,8 @@ _XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
 _TRITON_EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 _TRITON_VERIFY_BUFFERS = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers"
 _PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
-_FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
+_FINISH_STATE = f"{_REQ}.update_finish_state"
 _SCHEDULER_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_model_worker"
 _DUMMY_WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 _SWA_POOL_PLAN = "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__"
@@ -98,6 +99,8 @@ def register() -> None:
     # modes are refused at start-up unless SGLANG_DFLASH_PD=1)
     HookRegistry.register(f"{_SPEC}.build_disagg_draft_input", disagg.build_disagg_draft_input, around)
     HookRegistry.register(_PREBUILT, disagg.prebuilt_batch, around)
+    HookRegistry.register(f"{_REQ}.offload_kv_cache", disagg.offload_kv_cache, around)
+    HookRegistry.register(f"{_REQ}.load_kv_cache", disagg.load_kv_cache, around)
     # CPU only (each passes through untouched on GPU): plain-torch versions of ops that exist in sgl_kernel only as
     # (unshipped) *_cpu kernels, TARGET_VERIFY support for torch_native attention, no sgl_kernel KV-copy warm-up, and
     # a stream-free FutureMap read under overlap scheduling.

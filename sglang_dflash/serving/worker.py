@@ -67,7 +67,7 @@ from ..kernels.greedy_accept import commit_outputs, greedy_accept_torch, plain_a
 from ..kernels.tree_accept import tree_accept_torch
 from ..sampling import SamplingTensors, processed_probs, seeded_sample
 from ..tree_acceptance import commit_path, verify_tree_sampled
-from . import compat, tree_step
+from . import compat, disagg, tree_step
 from .context_commit import ContextCommitInVerify
 from .controls import SamplingControls
 from .kernel_warmup import warm_kv_slot_kernels, warm_tree_accept
@@ -152,6 +152,9 @@ class DFlashWorker(BaseSpecWorker):
         # the stacked K/V weights are built now, eagerly, not lazily inside a graph capture
         self.draft_model.prepare_context_kv()
         self._commit = ContextCommitInVerify(target, self.draft_model, lambda: self.draft_runner.token_to_kv_pool)
+        if str(getattr(server_args, "disaggregation_mode", None) or "null") == "decode":
+            # a decode-side retraction copies the drafter's rows to host memory with the target's (disagg.py)
+            disagg.keep_draft_pool(lambda: self.draft_runner.token_to_kv_pool)
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)

@@ -110,6 +110,35 @@ def test_a_relayed_requests_controls_equal_a_prefill_here():
     assert not torch.equal(doubled.table.rows(idx).freq_acc, a.freq_acc)
 
 
+def test_a_decode_side_retraction_keeps_the_drafters_context(monkeypatch):
+    """SGLang's decode retraction copies a request's target KV to host memory and back into new slots; the drafter's
+    rows (its context K/V, which the next drafts attend to) must come back with them, in SGLang's own pool type."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 3, "cpu", False)  # the drafter's: 3 layers, 2 K/V heads
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randn_like(buf))
+    req_to_token = torch.zeros((4, 32), dtype=torch.int64)
+    req_to_token[2, :10] = torch.arange(30, 40)
+    req = SimpleNamespace(req_pool_idx=2, seqlen=11)  # 10 committed positions (the last token has no K/V yet)
+    mapping = SimpleNamespace(req_to_token=req_to_token)
+    before = [b[30:40].clone() for b in pool.k_buffer + pool.v_buffer]
+    calls = []
+    monkeypatch.setattr(disagg, "_draft_pool", lambda: pool)
+    disagg.offload_kv_cache(lambda *a: calls.append("offload"), req, mapping, "allocator")
+    for buf in pool.k_buffer + pool.v_buffer:  # the slots are freed and reused by other requests
+        buf[30:40] = 0.0
+    req_to_token[2, :10] = torch.arange(50, 60)  # resumed into new slots
+    disagg.load_kv_cache(lambda *a: calls.append("load"), req, mapping, "allocator")
+    assert calls == ["offload", "load"] and req.dflash_draft_kv_cpu is None
+    for b, want in zip(pool.k_buffer + pool.v_buffer, before):
+        assert torch.equal(b[50:60], want)
+    monkeypatch.setattr(disagg, "_draft_pool", None)  # not a decode server: SGLang's copy alone
+    other = SimpleNamespace(req_pool_idx=2, seqlen=11)
+    disagg.offload_kv_cache(lambda *a: None, other, mapping, "allocator")
+    assert not hasattr(other, "dflash_draft_kv_cpu")
+
+
 FULL = {"model_type": "qwen3", "sliding_window": None, "use_sliding_window": False}
 
 
