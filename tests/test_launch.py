@@ -151,3 +151,28 @@ def test_cpu_flag_method_none_is_plain_decoding():
 def _spec_token(toks, i):
     """Whether toks[i] is a --speculative-* flag or its value."""
     return toks[i].startswith("--speculative") or (i > 0 and toks[i - 1].startswith("--speculative"))
+
+
+def test_pd_pair_commands():
+    """launch/pd/serve.sh: the preset's own command as a prefill and a decode server on GPUs 0 and 1 (ours with
+    SGLANG_DFLASH_PD=1, the switch our start-up asks for), the router in front on the preset's port; the builtin is
+    refused (SGLang 0.5.17's DFLASH has no prefill-decode relay)."""
+    pd = LAUNCH / "pd" / "serve.sh"
+    assert subprocess.run(["bash", "-n", str(pd)]).returncode == 0
+    r = subprocess.run(["bash", str(pd), "qwen3-8b", "--dry-run", "--", "--log-level", "debug"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    prefill, decode, router = (shlex.split(line) for line in r.stdout.strip().splitlines())
+    for toks, mode, port, gpu in ((prefill, "prefill", "30001", "0"), (decode, "decode", "30002", "1")):
+        assert toks[0] == "SGLANG_DFLASH_PD=1" and "sglang.launch_server" in toks and "--speculative-algorithm" in toks
+        assert toks[toks.index("--disaggregation-mode") + 1] == mode and toks[toks.index("--port") + 1] == port
+        assert toks[toks.index("--base-gpu-id") + 1] == gpu and "--log-level" in toks
+    assert prefill[prefill.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert router[router.index("--prefill") + 1:router.index("--prefill") + 3] == ["http://127.0.0.1:30001", "8998"]
+    assert "sglang_router.launch_router" in router and router[router.index("--port") + 1] == "30000"
+    plain = subprocess.run(["bash", str(pd), "qwen3-8b", "--method", "none", "--dry-run"], capture_output=True,
+                           text=True, timeout=30).stdout.splitlines()
+    assert not any("SGLANG_DFLASH_PD" in line or "--speculative-algorithm" in line for line in plain[:2])
+    refused = subprocess.run(["bash", str(pd), "qwen3-8b", "--method", "builtin", "--dry-run"], capture_output=True,
+                             text=True, timeout=30)
+    assert refused.returncode == 2 and "#36140" in refused.stderr
