@@ -413,6 +413,11 @@ def _get(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
 
+def text_field(config: Any, key: str) -> Any:
+    """A field of a target's (text) config, from a config.json dict or a transformers config alike."""
+    return _get(_text_config(config), key)
+
+
 def embedding_scale_for_target(target_config: Any) -> float:
     """Gemma targets scale token embeddings by sqrt(hidden); a drafter trained for them records the same scale."""
     t = _text_config(target_config)

@@ -100,19 +100,16 @@ def load_kv_cache(original, self, req_to_token_pool, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------- start-up
-def _get(config, key):
-    text = (config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)) or config
-    return text.get(key) if isinstance(text, dict) else getattr(text, key, None)
-
-
 def _unserved_target(config) -> str | None:
     """What in the target's attention the relay has not been read or tested for, or None (full attention only)."""
-    layer_types = set(_get(config, "layer_types") or [])
+    from ..config import text_field
+
+    layer_types = set(text_field(config, "layer_types") or [])
     if layer_types - {"full_attention"}:
         return f"layer types {sorted(layer_types)}: sliding-window or recurrent layers transfer their own pools"
-    if _get(config, "sliding_window") and _get(config, "use_sliding_window") is not False:
-        return f"sliding_window {_get(config, 'sliding_window')}: the sliding-window pool transfers apart"
-    if _get(config, "kv_lora_rank"):
+    if text_field(config, "sliding_window") and text_field(config, "use_sliding_window") is not False:
+        return f"sliding_window {text_field(config, 'sliding_window')}: the sliding-window pool transfers apart"
+    if text_field(config, "kv_lora_rank"):
         return "MLA attention (kv_lora_rank): its compressed pool's layout beside the drafter's is unread"
     return None
 
