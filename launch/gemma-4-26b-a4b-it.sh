@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Gemma-4-26B-A4B-it + z-lab/gemma-4-26B-A4B-it-DFlash: the seed recipe - target attention triton, draft
 # attention fa4, 16 draft tokens, 32768 batched tokens (vLLM's max-num-batched-tokens; in SGLang the chunked-prefill
-# size and the prefill token budget).
+# size and the prefill token budget). SGLang 0.5.17 captures prefill CUDA graphs up to the chunk size by default:
+# at 32768 tokens they took 10.6 GB and 235 s of start-up on an H200, and with --mem-fraction-static 0.85 both DFLASH
+# workers then ran out of memory capturing their own graphs (benchmarks/results/seed-recipes); longer prefills are
+# compute-bound, so graphs stop at 8192 tokens (--cuda-graph-max-bs-prefill) and the rest of the recipe stays.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 NAME=gemma-4-26b-a4b-it
 TARGET=google/gemma-4-26B-A4B-it
 DRAFT=z-lab/gemma-4-26B-A4B-it-DFlash
 COMMON_ARGS=(--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.85
              --chunked-prefill-size 32768 --max-prefill-tokens 32768 --cuda-graph-max-bs-decode 128
+             --cuda-graph-max-bs-prefill 8192
              --max-running-requests 128 --trust-remote-code)
 SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-fa4}")

@@ -68,6 +68,9 @@ def test_gemma4_26b_recipe():
     get = lambda f: toks[toks.index(f) + 1]  # noqa: E731
     assert get("--attention-backend") == "triton" and get("--speculative-draft-attention-backend") == "fa4"
     assert get("--chunked-prefill-size") == "32768"
+    # prefill graphs stop at 8192 tokens: at the chunk size they left both DFLASH workers out of memory at start-up
+    # on an H200 (benchmarks/results/seed-recipes)
+    assert get("--cuda-graph-max-bs-prefill") == "8192"
 
 
 def test_dummy_mode_and_bad_options():
