@@ -23,6 +23,7 @@ is listed as not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -133,7 +134,44 @@ def run_phase(argv: list[str], timeout_s: float) -> int:
             return proc.wait()
 
 
+class JobRunning(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def one_job(out: Path):
+    """OUT/.job.pid while a job runs there: a second job started on the same folder (and so on the same GPU and
+    port) would kill the first one's server and overwrite its phase, as happened on 2026-11-28 (the gemma-4-31b-it
+    row of results/seed-recipes/README.md). Refused instead; a pid file whose process is gone is taken over."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / ".job.pid"
+    try:
+        pid = int(lock.read_text())
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pid = None
+    except PermissionError:  # alive, another user's
+        pass
+    if pid is not None and pid != os.getpid():
+        raise JobRunning(f"a seed smoke job (pid {pid}) is running in {out}: wait for it (its log says DONE) or stop "
+                         f"it; a second job there would kill its server")
+    lock.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def run(args) -> int:
+    try:
+        with one_job(Path(args.out)):
+            return _run(args)
+    except JobRunning as e:
+        print(f"[seed] {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args) -> int:
     deadline = time.time() + args.deadline_s
     out, done = Path(args.out), [Path(d) for d in args.done or []]
     names = args.recipes.split(",") if args.recipes else None

@@ -167,6 +167,24 @@ def test_run_resumes_defers_and_stops_at_the_deadline(tmp_path, monkeypatch):
         [("qwen3.5-35b-a3b@published", m) for m in ("ours", "builtin")]
 
 
+def test_a_second_job_on_the_same_folder_is_refused(tmp_path, monkeypatch):
+    """A running job's folder is locked by its pid; a stale pid file (the process is gone) is taken over."""
+    import subprocess
+
+    started = []
+    monkeypatch.setattr(seed_recipes, "run_phase", lambda argv, timeout_s: started.append(argv) or 0)
+    run = ["run", "--out", str(tmp_path), "--gpu-mib", "81559", "--recipes", "qwen3-8b"]
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / ".job.pid").write_text(str(sleeper.pid))
+        assert seed_recipes.main(run) == 2 and not started
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert seed_recipes.main(run) == 0 and len(started) == 3  # the dead pid's lock is taken over, then released
+    assert not (tmp_path / ".job.pid").exists()
+
+
 def test_readme_models_table_shows_a_record(tmp_path, monkeypatch):
     out = tmp_path / "seed"
     for m in ("none", "ours", "builtin"):
