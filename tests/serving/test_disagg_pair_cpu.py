@@ -38,9 +38,17 @@ def _post(url, body):
     return json.loads(urllib.request.urlopen(req, timeout=300).read())
 
 
+GREEDY = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+
+def _relay_body(ids, sp, bootstrap_port, **extra):
+    """One /generate body for both servers of a pair: the bootstrap fields pair the two halves of the request."""
+    return {"input_ids": ids, "sampling_params": sp, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "bootstrap_room": random.randint(0, 2 ** 62), **extra}
+
+
 def _relay(prefill, decode, ids, sp, bootstrap_port):
-    body = {"input_ids": ids, "sampling_params": sp, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-            "bootstrap_room": random.randint(0, 2 ** 62)}
+    body = _relay_body(ids, sp, bootstrap_port)
     out = {}
     t = threading.Thread(target=lambda: out.__setitem__("prefill", _post(prefill.url, body)))
     t.start()
@@ -86,21 +94,27 @@ def servers(dflash_pair):
             s.stop()
 
 
+def _pair_equals_plain(servers, ids, label):
+    """The pair's greedy answer to ids: plain decoding's output, with one DFLASH server's verify steps and accepted
+    drafts (the drafter's context came through the transfer exactly). Returns (plain's answer, the single's meta)."""
+    got = _relay(servers["prefill"], servers["decode"], ids, GREEDY, port(BOOTSTRAP))
+    plain = _post(servers["plain"].url, {"input_ids": ids, "sampling_params": GREEDY})
+    one = _post(servers["single"].url, {"input_ids": ids, "sampling_params": GREEDY})["meta_info"]
+    assert got["output_ids"] == plain["output_ids"], f"{label}: PD + DFLASH differs from plain decoding"
+    m = got["meta_info"]
+    assert (m["spec_verify_ct"], m["spec_accepted_drafts"]) == (one["spec_verify_ct"],
+                                                                one["spec_accepted_drafts"]), (label, m, one)
+    return plain, one
+
+
 def test_pd_pair_equals_plain_decoding_with_the_drafters_context(servers):
-    sp = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     same_steps, control_differs = 0, 0
     for i in range(10):  # prompts 8 and 9 repeat 0 and 1: radix hits on the prefill server (their cached pages
         # are sent as they are, drafter rows included)
         ids = [1 + (13 * (i % 8) + 7 * j) % 480 for j in range(20 + 3 * (i % 8))]
-        got = _relay(servers["prefill"], servers["decode"], ids, sp, port(BOOTSTRAP))
-        plain = _post(servers["plain"].url, {"input_ids": ids, "sampling_params": sp})
-        one = _post(servers["single"].url, {"input_ids": ids, "sampling_params": sp})["meta_info"]
-        assert got["output_ids"] == plain["output_ids"], f"prompt {i}: PD + DFLASH differs from plain decoding"
-        m = got["meta_info"]
-        assert (m["spec_verify_ct"], m["spec_accepted_drafts"]) == (one["spec_verify_ct"],
-                                                                    one["spec_accepted_drafts"]), (i, m, one)
+        plain, one = _pair_equals_plain(servers, ids, f"prompt {i}")
         same_steps += one["spec_accepted_drafts"] > 0
-        bare = _relay(servers["no_draft"], servers["decode"], ids, sp, port(BOOTSTRAP + 1))
+        bare = _relay(servers["no_draft"], servers["decode"], ids, GREEDY, port(BOOTSTRAP + 1))
         assert bare["output_ids"] == plain["output_ids"]  # still lossless
         control_differs += (bare["meta_info"]["spec_verify_ct"], bare["meta_info"]["spec_accepted_drafts"]) != (
             one["spec_verify_ct"], one["spec_accepted_drafts"])
@@ -119,8 +133,7 @@ def _post_any(url, body):
 def _aborted_relay(prefill, decode, ids, sp, rid, abort_on, delay_s):
     """One relayed request that `abort_on` (servers) abort after delay_s, while its prompt is still being prefilled
     in chunks of 16 and sent: both posts' answers, or the name of a post that never came back."""
-    body = {"input_ids": ids, "sampling_params": sp, "rid": rid, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": port(BOOTSTRAP), "bootstrap_room": random.randint(0, 2 ** 62)}
+    body = _relay_body(ids, sp, port(BOOTSTRAP), rid=rid)
     out = {}
     posts = [threading.Thread(target=lambda n=n, s=s: out.__setitem__(n, _post_any(s.url, body)), daemon=True)
              for n, s in (("prefill", prefill), ("decode", decode))]
@@ -144,7 +157,7 @@ def test_an_abort_mid_transfer_loses_nothing(servers, abort_on):
 
     prefill, decode = servers["prefill"], servers["decode"]
     start = {n: (pool(s.url) or {}).get("num_used_tokens") or 0 for n, s in (("prefill", prefill), ("decode", decode))}
-    sp = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    sp = GREEDY | {"max_new_tokens": 64}
     # 1,900 tokens in chunks of 16: ~120 prefill forwards, each chunk's K/V sent as it is written, so an abort
     # 0.5 s in lands mid-transfer (the tiny target's context is 2,048)
     # a prompt of its own per case: a radix hit on the prefill server would send it at once, before the abort
@@ -161,10 +174,4 @@ def test_an_abort_mid_transfer_loses_nothing(servers, abort_on):
     for n, s in (("prefill", prefill), ("decode", decode)):
         idle, last, _ = wait_idle(s.url, start[n], timeout_s=60)
         assert idle, f"{n} server did not go back to its KV pool after the abort: {last} (start {start[n]})"
-    ids = [1 + (11 * j) % 480 for j in range(33)]
-    got = _relay(prefill, decode, ids, {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}, port(BOOTSTRAP))
-    plain = _post(servers["plain"].url, {"input_ids": ids, "sampling_params": sp | {"max_new_tokens": 32}})
-    one = _post(servers["single"].url, {"input_ids": ids, "sampling_params": sp | {"max_new_tokens": 32}})
-    assert got["output_ids"] == plain["output_ids"], f"after an abort ({abort_on}) PD + DFLASH differs from plain"
-    assert (got["meta_info"]["spec_verify_ct"], got["meta_info"]["spec_accepted_drafts"]) == (
-        one["meta_info"]["spec_verify_ct"], one["meta_info"]["spec_accepted_drafts"])
+    _pair_equals_plain(servers, [1 + (11 * j) % 480 for j in range(33)], f"after an abort ({abort_on})")
