@@ -268,13 +268,13 @@ SWITCHES: tuple[Switch, ...] = (
            "(targets/chain_head.py): each greedy step emits a fixed random map of the current token, which no rounding "
            "flips (what oracle drafts and exact equality checks need); "
            "applies to plain servers too, whichever worker runs, so every method of a run serves the same target"),
-    Switch(REPLAY_SSM, "replay_ssm", _flag(False), "0", "0, 1",
-           "1: hybrid Gated DeltaNet targets (Qwen3.5) get SGLang's --enable-linear-replayssm-spec at start-up where it "
+    Switch(REPLAY_SSM, "replay_ssm", _flag(True), "1", "0, 1",
+           "hybrid Gated DeltaNet targets (Qwen3.5) get SGLang's --enable-linear-replayssm-spec at start-up where it "
            "applies: the verify records each token's inputs and the commit replays the accepted ones, instead of a "
-           "recurrent-state snapshot per draft position and request, so more requests run at once "
-           "(serving/recurrent_state.py); lossless under Triton's interpreter with SGLang's own kernels; on an H200 "
-           "it kept 64 running requests where snapshots allowed 18, but greedy equality on a GPU is not established "
-           "yet (the random targets tie in bf16), hence off by default. Passing the flag itself works the same"),
+           "recurrent-state snapshot per draft position and request, so as many requests run at once as with plain "
+           "decoding (serving/recurrent_state.py; H200, Qwen3.5-35B-A3B shape: 64 running requests where snapshots "
+           "allowed 16-18, greedy 212 / 212 equal to plain decoding at c = 1-64, benchmarks/results/"
+           "floor-qwen3.5-replay-chain-h200). 0 keeps the snapshots. Passing the flag itself turns it on as well"),
     Switch(PD, "pd", _flag(False), "0", "0, 1",
            "1: serve --disaggregation-mode prefill / decode (issue #49, serving/disagg.py, docs/notes-pd.md): the "
            "prefill server writes the drafter's context K/V, SGLang's transfer moves the drafter's pool beside the "

@@ -233,17 +233,19 @@ def gdn_target(monkeypatch):
 
     monkeypatch.setattr(compat, "target_hf_config", lambda server_args: "hf")
     monkeypatch.setattr(compat, "REPLAY_SSM_AUTO", True)
-    monkeypatch.setenv("SGLANG_DFLASH_REPLAY_SSM", "1")  # opt-in until the replay has run on a GPU
+    monkeypatch.delenv("SGLANG_DFLASH_REPLAY_SSM", raising=False)  # the default: on
     state = {"gdn": True}
     monkeypatch.setattr(arch, "hybrid_gdn_config", lambda mc: object() if state["gdn"] and mc.hf_config == "hf"
                         else None)
     return state
 
 
-def test_startup_keeps_the_snapshots_unless_the_replay_is_switched_on(gdn_target, monkeypatch):
-    monkeypatch.delenv("SGLANG_DFLASH_REPLAY_SSM")
+def test_startup_keeps_the_snapshots_when_the_replay_is_switched_off(gdn_target, monkeypatch, caplog):
+    monkeypatch.setenv("SGLANG_DFLASH_REPLAY_SSM", "0")
     args = _gpu_args()
-    assert not startup.check_replay_ssm(args, args) and not args.enable_linear_replayssm_spec
+    with caplog.at_level(logging.INFO, logger="sglang_dflash"):
+        assert not startup.check_replay_ssm(args, args) and not args.enable_linear_replayssm_spec
+    assert "SGLANG_DFLASH_REPLAY_SSM=0" in caplog.text
 
 
 def test_startup_turns_the_replay_on_for_a_gdn_target(gdn_target, caplog):

@@ -48,7 +48,8 @@ def probe(tmp_path_factory):
 
         env = cpu_server_env(build_stub_libcuda(out / "stub"))
         env["SGLANG_DFLASH_DUMMY_WEIGHTS"] = "chain"  # the benchmarks' dummy weights, through the plugin's hook
-    env = dict(env or os.environ, SGLANG_DFLASH_REPLAY_SSM="1")  # the hybrid replay commit, opt-in for now
+    env = dict(env or os.environ)
+    env.pop("SGLANG_DFLASH_REPLAY_SSM", None)  # the hybrid replay commit is on by default
     r = subprocess.run([sys.executable, str(PROBE), str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -342,8 +342,8 @@ def check_replay_ssm(server_args, record) -> bool:
         return False  # no Gated DeltaNet layers: nothing to replay
     from ..settings import REPLAY_SSM, get
 
-    # opt-in until the replay commit has run on a GPU (its CPU proof: SGLang's kernels under Triton's interpreter)
-    reason = None if get(REPLAY_SSM) else f"{REPLAY_SSM}=1 turns it on (greedy equality not yet established on a GPU)"
+    # on by default since its GPU equality run (benchmarks/results/floor-qwen3.5-replay-chain-h200); 0 is the way back
+    reason = None if get(REPLAY_SSM) else f"{REPLAY_SSM}=0"
     reason = reason or _replay_ssm_blocker(server_args)
     if reason is not None:
         logger.info("sglang-dflash: hybrid (Gated DeltaNet) target: recurrent state snapshots per draft position "
