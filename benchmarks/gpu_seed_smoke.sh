@@ -10,21 +10,43 @@
 #   CUDA_VISIBLE_DEVICES=1 PORT=30001 RUN=/tmp/seed-smoke1 RECIPES=llama3.1-8b-instruct bash benchmarks/gpu_seed_smoke.sh
 # Results: $RUN (/tmp/seed-smoke)/<recipe>/ (driver folders) and <recipe>.json (records); $OUT/seed-smoke.tar.gz
 # (records, summaries, gzipped server logs; greedy outputs left out) and $OUT/table.md after each call.
+# A job longer than one call: `--background` starts it from a snapshot of the repo under $RUN-snap (the device
+# re-syncs the repo folder at every call; setsid, so the call's end does not kill it; log $RUN.log, "SEED JOB DONE"
+# at its end), and each later call runs `--collect`: no new phase, only $RUN's results so far into $OUT. E.g.
+#   CUDA_VISIBLE_DEVICES=1 PORT=30001 RUN=/tmp/seed-smoke1 DEADLINE_S=1300 RECIPES=gemma-4-31b-it \
+#     bash benchmarks/gpu_seed_smoke.sh --background
+#   sleep 500; RUN=/tmp/seed-smoke1 bash benchmarks/gpu_seed_smoke.sh --collect
 set -uo pipefail
-source benchmarks/gpu_env.sh || exit 1
 RUN=${RUN:-/tmp/seed-smoke}
-mkdir -p "$RUN"
-python3 -m benchmarks.seed_recipes run --out "$RUN" --done benchmarks/results/seed-recipes \
-  --deadline-s "${DEADLINE_S:-540}" --port "${PORT:-30000}" ${RECIPES:+--recipes "$RECIPES"}
-rc=$?
+case ${1:-} in
+  --background)
+    snap=$RUN-snap
+    rm -rf "$snap" && mkdir -p "$snap"
+    tar --exclude=./.devstack --exclude=./.stage --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -C "$snap" -xf -
+    (cd "$snap" && setsid nohup bash -c 'bash benchmarks/gpu_seed_smoke.sh; echo "SEED JOB DONE rc=$?"' \
+      > "$RUN.log" 2>&1 < /dev/null &)
+    echo "seed smoke job started from $snap (log $RUN.log)"
+    exit 0 ;;
+  --collect) source benchmarks/gpu_env.sh || exit 1; rc=0 ;;
+  "")
+    source benchmarks/gpu_env.sh || exit 1
+    mkdir -p "$RUN"
+    python3 -m benchmarks.seed_recipes run --out "$RUN" --done benchmarks/results/seed-recipes \
+      --deadline-s "${DEADLINE_S:-540}" --port "${PORT:-30000}" ${RECIPES:+--recipes "$RECIPES"}
+    rc=$? ;;
+  *) echo "usage: bash benchmarks/gpu_seed_smoke.sh [--background | --collect]" >&2; exit 2 ;;
+esac
 table=$RUN-table
 rm -rf "$table" && mkdir -p "$table"
 cp benchmarks/results/seed-recipes/*.json "$RUN"/*.json "$table"/ 2>/dev/null
 python3 -m benchmarks.seed_recipes table "$table" > /dev/null
 if [ -n "${OUT:-}" ]; then
-  find "$RUN" -name '*.server.log' -exec gzip -f {} \;
-  tar czf "$OUT/seed-smoke.tar.gz" -C "$RUN" --exclude='*.outputs.jsonl.gz' --exclude='*.png' . \
+  # from a copy: a running job's server still writes its log, and the driver reads it when a start fails
+  copy=$RUN-collect
+  rm -rf "$copy" && cp -r "$RUN" "$copy" && find "$copy" -name '*.server.log' -exec gzip -f {} \;
+  tar czf "$OUT/seed-smoke.tar.gz" -C "$copy" --exclude='*.outputs.jsonl.gz' --exclude='*.png' . \
     && cp "$table"/table.md "$OUT/"
+  [ -f "$RUN.log" ] && tail -n 5 "$RUN.log"
   cat "$table"/table.md
 fi
 exit $rc
