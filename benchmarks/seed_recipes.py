@@ -64,7 +64,9 @@ RECIPES = (
     Recipe("llama3.1-8b-instruct"),
     Recipe("gpt-oss-20b"),
     Recipe("gemma-4-26b-a4b-it", note="draft attention fa4, the seed's"),
-    Recipe("gemma-4-31b-it", note="draft attention fa4, the seed's; 62 GB of bf16 weights in 0.85 x 80 GB"),
+    Recipe("gemma-4-31b-it", gpu_gib=100, device="nvidia-h200",
+           note="draft attention fa4, the seed's; 58.5 GB of bf16 weights: the speculative methods' 0.75 x 80 GB "
+                "leaves no KV cache, and their graphs need ~20 GB beyond plain decoding's"),
     Recipe("qwen3.5-35b-a3b", "published", {"ATTN_BACKEND": "trtllm_mha", "DRAFT_ATTN_BACKEND": "fa4"},
            ("ours", "builtin"), note="the seed's own backends (trtllm_mha target, fa4 draft): a start-up refusal "
                                      "before any model loads is the expected result off Blackwell"),
