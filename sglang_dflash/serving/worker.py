@@ -152,9 +152,13 @@ class DFlashWorker(BaseSpecWorker):
         # the stacked K/V weights are built now, eagerly, not lazily inside a graph capture
         self.draft_model.prepare_context_kv()
         self._commit = ContextCommitInVerify(target, self.draft_model, lambda: self.draft_runner.token_to_kv_pool)
-        if str(getattr(server_args, "disaggregation_mode", None) or "null") == "decode":
+        pd_mode = str(getattr(server_args, "disaggregation_mode", None) or "null")
+        if pd_mode == "decode":
             # a decode-side retraction copies the drafter's rows to host memory with the target's (disagg.py)
             disagg.keep_draft_pool(lambda: self.draft_runner.token_to_kv_pool)
+        # a PD prefill server only prefills (the target's capture and the drafter's context K/V, then the transfer):
+        # it never drafts or verifies, so it builds none of their graphs or warm-ups (issue #49 item 1)
+        self._prefill_server = pd_mode == "prefill"
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
         controls = WidthControls.from_env(B)
@@ -247,9 +251,11 @@ class DFlashWorker(BaseSpecWorker):
             self._oracle = OracleDrafts(*self._oracle_switch, self.block, self.model_runner.model_config.vocab_size,
                                         req_to_token_pool.req_to_token.shape[0], self.device)
             self._oracle.warm(self._control.controls.ks)
-        # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token
+        # SGLang's KV-slot writers compile per batch size on first use: do it now, not on a time to first token (a
+        # PD prefill server too: a prefill's writer is one of them)
         warm_kv_slot_kernels(req_to_token_pool.req_to_token, self._block_ids.shape[0])
-        warm_tree_accept(self._tree_size, req_to_token_pool.req_to_token)  # and ours, with trees on
+        if not self._prefill_server:  # and ours, with trees on (no tree step runs on a prefill server)
+            warm_tree_accept(self._tree_size, req_to_token_pool.req_to_token)
 
     def init_attention_backends(self):
         self._draft_worker.init_attention_backends()
@@ -268,6 +274,10 @@ class DFlashWorker(BaseSpecWorker):
         from sglang.srt.model_executor.cuda_graph_config import Backend
 
         enabled = graph_cfg is not None and graph_cfg.decode.backend != Backend.DISABLED and self.device != "cpu"
+        if enabled and self._prefill_server:  # SGLang turns decode graphs off there unless the operator forced them
+            logger.info("sglang-dflash: PD prefill server: no draft, verify-width or tree CUDA graphs (it never runs "
+                        "a decode step), whatever the decode graph flags say")
+            enabled = False
         hooks = getattr(self.draft_runner, "capture_tail_hooks", None)
         from ..settings import current as settings
 

@@ -186,6 +186,31 @@ def test_hooks_registered_with_our_worker():
     assert hasattr(SpeculativeAlgorithm, "build_disagg_draft_input")
 
 
+@pytest.mark.parametrize("prefill_server", [False, True])
+def test_a_prefill_server_captures_none_of_our_graphs(monkeypatch, prefill_server):
+    """Item 1: a PD prefill server never drafts or verifies, so even with decode graphs forced on (SGLang turns them
+    off there by default) it captures no draft, verify-width or tree graphs. The GPU path of init_cuda_graphs on
+    stand-ins: what it captures is what the draft worker and the widths are asked for."""
+    import sglang.srt.runtime_context as runtime_context
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_dflash.serving.worker import DFlashWorker
+
+    graphs = SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend=Backend.FULL)))
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(graph=graphs))
+    asked = {}
+    w = object.__new__(DFlashWorker)
+    w.device, w._prefill_server, w._tree_size, w._tree_buffers, w._graph_head_bs = "cuda", prefill_server, 0, None, set()
+    w.draft_runner = SimpleNamespace(capture_tail_hooks=[])
+    w._draft_worker = SimpleNamespace(init_cuda_graphs=lambda capture_decode_cuda_graph: asked.update(
+        draft=capture_decode_cuda_graph))
+    w._widths = SimpleNamespace(widths=[1, 4, 8, 16], graph_memory_gb=0.0, capture=lambda: asked.update(widths=True))
+    w.model_runner = SimpleNamespace(decode_cuda_graph_runner=None)
+    w.init_cuda_graphs()
+    assert asked == ({"draft": False} if prefill_server else {"draft": True, "widths": True})
+    assert bool(w.draft_runner.capture_tail_hooks) != prefill_server  # the draft head joins captured graphs only
+
+
 # ---------------------------------------------------------------------------------- a decode server, on CPU
 PD_PORT = 30080
 
