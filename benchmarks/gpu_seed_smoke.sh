@@ -5,7 +5,8 @@
 # (back to back: /tmp lives while the machine is warm) resumes where it stopped. Recipes already committed under
 # benchmarks/results/seed-recipes are skipped, so a later session goes on from the commit.
 #   bash benchmarks/gpu_seed_smoke.sh                 # in every call, from the repo root (after any gpu_stage.sh)
-# DEADLINE_S (default 540): no phase starts later than PHASE_S (300 s) before it; RECIPES=a,b picks recipes.
+# DEADLINE_S (default 540): no phase starts later than PHASE_S (300 s) before it; RECIPES=a,b picks recipes;
+# RERUN=a,b runs those again although benchmarks/results/seed-recipes has their record (their preset changed).
 # Two recipes at once on a two-GPU machine: one job per GPU, each with its own port and folder, e.g.
 #   CUDA_VISIBLE_DEVICES=1 PORT=30001 RUN=/tmp/seed-smoke1 RECIPES=llama3.1-8b-instruct bash benchmarks/gpu_seed_smoke.sh
 # Results: $RUN (/tmp/seed-smoke)/<recipe>/ (driver folders) and <recipe>.json (records); $OUT/seed-smoke.tar.gz
@@ -32,7 +33,8 @@ case ${1:-} in
     source benchmarks/gpu_env.sh || exit 1
     mkdir -p "$RUN"
     python3 -m benchmarks.seed_recipes run --out "$RUN" --done benchmarks/results/seed-recipes \
-      --deadline-s "${DEADLINE_S:-540}" --port "${PORT:-30000}" ${RECIPES:+--recipes "$RECIPES"}
+      --deadline-s "${DEADLINE_S:-540}" --port "${PORT:-30000}" ${RECIPES:+--recipes "$RECIPES"} \
+      ${RERUN:+--rerun "$RERUN"}
     rc=$? ;;
   *) echo "usage: bash benchmarks/gpu_seed_smoke.sh [--background | --collect]" >&2; exit 2 ;;
 esac

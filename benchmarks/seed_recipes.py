@@ -179,7 +179,8 @@ def _run(args) -> int:
     names = args.recipes.split(",") if args.recipes else None
     mib = args.gpu_mib or gpu_mib()
     for r in RECIPES:
-        if (names and r.key not in names and r.preset not in names) or recorded(r.key, out, *done):
+        rerun = r.key in args.rerun.split(",")
+        if (names and r.key not in names and r.preset not in names) or recorded(r.key, out, *([] if rerun else done)):
             continue
         if r.gpu_gib and mib < r.gpu_gib * 1024:
             write_record(r, out, status=f"{PENDING}{r.device}: {r.note} (this GPU has {mib} MiB)")
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="the smoke job's phases on a GPU, as many as the deadline allows")
     r.add_argument("--out", required=True, help="run folders OUT/KEY and records OUT/KEY.json")
     r.add_argument("--done", action="append", help="a folder of records already made (skipped)")
+    r.add_argument("--rerun", default="", help="comma list of recipe keys run again although --done has their record "
+                                               "(their preset or a default changed since)")
     r.add_argument("--recipes", default=None, help="comma list of recipe keys or presets (default: all, in order)")
     r.add_argument("--deadline-s", type=float, default=540.0, help="no phase starts past this (from now)")
     r.add_argument("--port", type=int, default=30000)

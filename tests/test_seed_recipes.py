@@ -169,6 +169,20 @@ def test_run_resumes_defers_and_stops_at_the_deadline(tmp_path, monkeypatch):
         [("qwen3.5-35b-a3b@published", m) for m in ("ours", "builtin")]
 
 
+def test_rerun_ignores_a_done_record(tmp_path, monkeypatch):
+    """A recipe whose preset or default changed runs again although the committed results hold its record."""
+    done, out, started = tmp_path / "done", tmp_path / "out", []
+    for m in ("none", "ours", "builtin"):
+        fake_phase(done / "qwen3-8b", m)
+    seed_recipes.write_record(BY_KEY["qwen3-8b"], done)
+    monkeypatch.setattr(seed_recipes, "run_phase", lambda argv, timeout_s: started.append(argv) or 0)
+    run = ["run", "--out", str(out), "--done", str(done), "--gpu-mib", "81559", "--recipes", "qwen3-8b"]
+    seed_recipes.main(run)
+    assert not started
+    seed_recipes.main(run + ["--rerun", "qwen3-8b"])
+    assert len(started) == 3
+
+
 def test_a_second_job_on_the_same_folder_is_refused(tmp_path, monkeypatch):
     """A running job's folder is locked by its pid; a stale pid file (the process is gone) is taken over."""
     import subprocess
