@@ -9,8 +9,9 @@
 # RERUN=a,b runs those again although benchmarks/results/seed-recipes has their record (their preset changed).
 # Two recipes at once on a two-GPU machine: one job per GPU, each with its own port and folder, e.g.
 #   CUDA_VISIBLE_DEVICES=1 PORT=30001 RUN=/tmp/seed-smoke1 RECIPES=llama3.1-8b-instruct bash benchmarks/gpu_seed_smoke.sh
-# Results: $RUN (/tmp/seed-smoke)/<recipe>/ (driver folders) and <recipe>.json (records); $OUT/seed-smoke.tar.gz
-# (records, summaries, gzipped server logs; greedy outputs left out) and $OUT/table.md after each call.
+# Results: $RUN (/tmp/seed-smoke)/<recipe>/ (driver folders) and <recipe>.json (records); $OUT/<RUN's name>.tar.gz
+# (records, summaries, gzipped server logs; greedy outputs left out) and $OUT/<RUN's name>-table.md after each call
+# (named by RUN, so two jobs' collects in one call do not overwrite each other).
 # A job longer than one call: `--background` starts it from a snapshot of the repo under $RUN-snap (the device
 # re-syncs the repo folder at every call; setsid, so the call's end does not kill it; log $RUN.log, "SEED JOB DONE"
 # at its end), and each later call runs `--collect`: no new phase, only $RUN's results so far into $OUT. E.g.
@@ -46,8 +47,9 @@ if [ -n "${OUT:-}" ]; then
   # from a copy: a running job's server still writes its log, and the driver reads it when a start fails
   copy=$RUN-collect
   rm -rf "$copy" && cp -r "$RUN" "$copy" && find "$copy" -name '*.server.log' -exec gzip -f {} \;
-  tar czf "$OUT/seed-smoke.tar.gz" -C "$copy" --exclude='*.outputs.jsonl.gz' --exclude='*.png' . \
-    && cp "$table"/table.md "$OUT/"
+  name=$(basename "$RUN")
+  tar czf "$OUT/$name.tar.gz" -C "$copy" --exclude='*.outputs.jsonl.gz' --exclude='*.png' . \
+    && cp "$table"/table.md "$OUT/$name-table.md"
   [ -f "$RUN.log" ] && tail -n 5 "$RUN.log"
   cat "$table"/table.md
 fi
