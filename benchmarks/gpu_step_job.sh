@@ -51,9 +51,9 @@
 #          (shapes --dflash2), c = 1, 8, 32, T = 0 and 1                          -> /tmp/job/dflash2/{dflash,dflash2}
 #   floor  issue #44 item 3: the floor of one big shape (FLOOR_SHAPE: gpt-oss-20b, gemma-4-26b-a4b-it, gemma-4-31b-it,
 #          llama3.1-8b-instruct, qwen3-8b, qwen3.5-35b-a3b: the preset's extra_buffer; SGLANG_DFLASH_REPLAY_SSM=0 in the
-#          environment for SGLang's snapshots instead of the replay commit), random weights re-drawn like a model's with the decisive chain head
-#          (DUMMY_WEIGHTS, default chain: greedy outputs no bf16 rounding flips, so equality is exact; `model` for
-#          the context-dependent weights alone), one bracketed run: FLOOR_METHODS (none,ours,ours-fixed,builtin)
+#          environment for SGLang's snapshots instead of the replay commit), random weights re-drawn like a model's
+#          with the decisive chain head (DUMMY_WEIGHTS, default chain: greedy outputs no bf16 rounding flips, so
+#          equality is exact; `model` for the context-dependent weights alone), one bracketed run: FLOOR_METHODS (none,ours,ours-fixed,builtin)
 #          then none again, greedy, c = 1, 8, 32, 64; while the rerun is up every output that differs from plain
 #          decoding's is judged on it (benchmarks/greedy_judge.py)                             -> $JOB/floor-<shape>
 #          Two shapes side by side on a two-GPU machine: one job per GPU, each with its own JOB and PORT, e.g.

@@ -14,6 +14,6 @@ COMMON_ARGS=(--attention-backend triton --sampling-backend pytorch --mem-fractio
 # leaves room for eager forwards such as a prefill chunk over 8192 tokens; plain keeps 0.85
 SPEC_ARGS=(--speculative-algorithm DFLASH  # the block size (--speculative-num-draft-tokens) comes from the drafter
            --speculative-draft-attention-backend "${DRAFT_ATTN_BACKEND:-fa4}" --mem-fraction-static 0.75)
-NOTES=("31B bf16 weights are ~61 GB: on one 80 GB H100 lower --mem-fraction-static only with care"
+NOTES=("31B bf16 weights are ~58.5 GB: the speculative methods need an H200 (on one 80 GB H100, 0.75 leaves no KV cache)"
        "drafter shape for --dummy is UNVERIFIED (single source)")
 launch_main "$@"
