@@ -18,6 +18,7 @@
 #   CUDA_VISIBLE_DEVICES=1 PORT=30001 RUN=/tmp/seed-smoke1 DEADLINE_S=1300 RECIPES=gemma-4-31b-it \
 #     bash benchmarks/gpu_seed_smoke.sh --background
 #   sleep 500; RUN=/tmp/seed-smoke1 bash benchmarks/gpu_seed_smoke.sh --collect
+# AFTER=/tmp/seed-smoke0.log with --background queues a job behind another on the same GPU.
 set -uo pipefail
 RUN=${RUN:-/tmp/seed-smoke}
 case ${1:-} in
@@ -25,7 +26,9 @@ case ${1:-} in
     snap=$RUN-snap
     rm -rf "$snap" && mkdir -p "$snap"
     tar --exclude=./.devstack --exclude=./.stage --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -C "$snap" -xf -
-    (cd "$snap" && setsid nohup bash -c 'bash benchmarks/gpu_seed_smoke.sh; echo "SEED JOB DONE rc=$?"' \
+    # AFTER=<another job's log>: one GPU, two jobs in a row (the second waits for the first's last line)
+    (cd "$snap" && setsid nohup bash -c 'if [ -n "${AFTER:-}" ]; then until grep -qs "SEED JOB DONE" "$AFTER"; do
+        sleep 5; done; fi; bash benchmarks/gpu_seed_smoke.sh; echo "SEED JOB DONE rc=$?"' \
       > "$RUN.log" 2>&1 < /dev/null &)
     echo "seed smoke job started from $snap (log $RUN.log)"
     exit 0 ;;
