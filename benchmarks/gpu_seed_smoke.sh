@@ -44,7 +44,9 @@ case ${1:-} in
 esac
 table=$RUN-table
 rm -rf "$table" && mkdir -p "$table"
-cp benchmarks/results/seed-recipes/*.json "$RUN"/*.json "$table"/ 2>/dev/null
+# two copies: one cp refuses to overwrite a file it created itself, and this run's record must win
+cp benchmarks/results/seed-recipes/*.json "$table"/ 2>/dev/null
+cp "$RUN"/*.json "$table"/ 2>/dev/null
 python3 -m benchmarks.seed_recipes table "$table" > /dev/null
 if [ -n "${OUT:-}" ]; then
   # from a copy: a running job's server still writes its log, and the driver reads it when a start fails

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-stub", type=Path, help="run on SGLang's CPU engine (smoke test of this script): the stub "
                     "libcuda folder (tests' dflash_pair root / 'stub'); --server-args then default to the CPU ones")
     ap.add_argument("--wait-s", type=float, default=400)
-    ap.add_argument("--server-args", default=None, help="default: triton attention, float32, CUDA graphs to bs 64")
+    ap.add_argument("--server-args", default=None, help="default: triton attention, float32, decode CUDA graphs to bs 64")
     args = ap.parse_args(argv)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.cpu_stub:
@@ -69,8 +69,12 @@ def main(argv=None) -> int:
         args.server_args = args.server_args or " ".join(CPU_SERVER_ARGS + ["--dtype", "float32",
                                                                           "--speculative-draft-attention-backend",
                                                                           "torch_native"])
+    # --disable-prefill-cuda-graph: SGLang 0.5.17 captures prefill graphs by default, and their capture runs
+    # sgl_kernel's rmsnorm, which has no float32 kernel (the H200 run of 2026-11-28 lost its `adaptive` server to it;
+    # --enable-deterministic-inference turns prefill graphs off, so its configurations served)
     args.server_args = args.server_args or ("--attention-backend triton --mem-fraction-static 0.25 --cuda-graph-max-bs "
-                                            "64 --grammar-backend none --sampling-backend pytorch --dtype float32")
+                                            "64 --grammar-backend none --sampling-backend pytorch --dtype float32 "
+                                            "--disable-prefill-cuda-graph")
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = build_tiny(args.build_tiny) if args.build_tiny else (Path(args.target), Path(args.draft))
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
