@@ -11,8 +11,9 @@ Per step, with every request at its own mamba slot:
              snapshot  the state after every token into per-request step caches (SGLang's default)
            plus the conv window after every token (random here: the conv kernel is not under test)
   accept   commit_len in 1..W per request (random)
-  commit   RecurrentStateCommit.after_accept(..., width=W): the replay pool -> SGLang's
-           commit_mamba_states_after_verify (the fold: GDN kernel); the snapshot pool -> the backend's scatter
+  commit   RecurrentStateCommit.after_accept(..., width=W): the replay pool -> SGLang's fold
+           (commit_gdn_replayssm_fold_after_verify: GDN kernel) with a chain's step indices; the snapshot pool ->
+           the backend's scatter
   check    every request's state (all layers) == the state after running ONLY its committed tokens from the
            previous committed state (the same kernel, state update on, ragged lengths); conv state == the window at
            commit_len - 1; a radix track slot (extra_buffer) == the state after the boundary step; other slots
@@ -160,13 +161,16 @@ def simulate(device: str, replay: bool, track: bool = False, mutation: str | Non
     saved_scatter = scatter.fused_conv_window_scatter_with_mask
     if device == "cpu":
         scatter.fused_conv_window_scatter_with_mask = _conv_scatter_torch
-    saved_commit = spec_utils.commit_mamba_states_after_verify
-    if mutation in ("all_verified", "one_short"):
-        def mutated(target, batch, accept_lens, accept_index, width):  # noqa: ANN001
-            wrong = torch.full_like(accept_lens, width) if mutation == "all_verified" else accept_lens - 1
-            return saved_commit(target, batch, wrong, accept_index, width)
+    import sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold as fold
 
-        spec_utils.commit_mamba_states_after_verify = mutated
+    saved_fold = fold.commit_gdn_replayssm_fold_after_verify
+    width_now = [0]
+    if mutation in ("all_verified", "one_short"):  # the fold told the wrong counts
+        def mutated(*, accept_lens, **kw):  # noqa: ANN001
+            wrong = torch.full_like(accept_lens, width_now[0]) if mutation == "all_verified" else accept_lens - 1
+            return saved_fold(accept_lens=wrong, **kw)
+
+        fold.commit_gdn_replayssm_fold_after_verify = mutated
     try:
         commit = RecurrentStateCommit(runner)
         assert commit.active and commit.replay == replay
@@ -177,7 +181,7 @@ def simulate(device: str, replay: bool, track: bool = False, mutation: str | Non
         prefix = torch.tensor([3, 9, 14], dtype=torch.int64, device=device)  # committed lengths
         ok, max_err, tracked = True, 0.0, 0
         for step in range(steps):
-            w = WIDTHS[step % len(WIDTHS)]
+            w = width_now[0] = WIDTHS[step % len(WIDTHS)]
             commit_lens = torch.randint(1, w + 1, (bs,), generator=g).to(torch.int32)
             if step == 0 and w > 1:
                 commit_lens[0] = w  # every draft accepted, once
@@ -228,7 +232,7 @@ def simulate(device: str, replay: bool, track: bool = False, mutation: str | Non
     finally:
         arch.mambaish_config, spec_utils.mambaish_config, spec_utils.get_exec, runtime_context.get_exec = saved
         scatter.fused_conv_window_scatter_with_mask = saved_scatter
-        spec_utils.commit_mamba_states_after_verify = saved_commit
+        fold.commit_gdn_replayssm_fold_after_verify = saved_fold
 
 
 CASES = {

@@ -102,7 +102,8 @@ def _replay_runner(monkeypatch, replay: bool, backend=None):
 
 @pytest.mark.parametrize("k", [0, 3, 7, 15])
 def test_replay_pool_commits_through_sglangs_replay_at_every_width(monkeypatch, k):
-    """With the replay pool the commit is SGLang's (EAGLE's) commit_mamba_states_after_verify: the committed counts,
+    """With a replay pool that does not fold at every commit (another SGLang's, KDA) the commit is SGLang's (EAGLE's)
+    commit_mamba_states_after_verify: the committed counts,
     and a chain's accept index (row i's verify rows i*W .. i*W+W-1) at this step's width, k = 0 included; the
     width's backend scatter is not called (the pool holds no snapshots to scatter)."""
     import sglang.srt.speculative.spec_utils as spec_utils
@@ -120,6 +121,38 @@ def test_replay_pool_commits_through_sglangs_replay_at_every_width(monkeypatch, 
     assert target.model_runner is runner and got_batch is batch and got_lens is commit_lens and width == W
     assert accept_index.tolist() == [[i * W + j for j in range(W)] for i in range(3)]
     assert not backend.calls and not runner.attn_backend.calls
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_the_fold_pool_is_folded_directly_with_a_chains_steps(monkeypatch, track):
+    """SGLang 0.5.17's replay pool folds at every commit: we call its fold with commit_lens, the last committed step
+    commit_lens - 1 and (radix track slots) the crossed boundary's step from the lengths before the verify, the
+    indices SGLang's EAGLE commit derives from a chain's accept index, without its ~12 extra launches."""
+    import sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold as fold
+    import sglang.srt.runtime_context as runtime_context
+    import sglang.srt.speculative.spec_utils as spec_utils
+
+    calls = []
+    monkeypatch.setattr(fold, "commit_gdn_replayssm_fold_after_verify", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(spec_utils, "commit_mamba_states_after_verify", lambda *a: pytest.fail("SGLang's commit"))
+    monkeypatch.setattr(runtime_context, "get_exec",
+                        lambda: SimpleNamespace(mamba=SimpleNamespace(mamba_track_interval=8)))
+    runner = _replay_runner(monkeypatch, replay=True)
+    spec, slots = object(), torch.tensor([7, 2, 5])
+    runner.req_to_token_pool.mamba_pool.replayssm_spec_fold = True
+    runner.req_to_token_pool.get_speculative_mamba2_params_all_layers = lambda: spec
+    runner.req_to_token_pool.get_mamba_indices = lambda req: slots[req]
+    seq_lens, commit_lens = torch.tensor([4, 7, 12]), torch.tensor([5, 1, 3], dtype=torch.int32)
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1, 2]), seq_lens=seq_lens,
+                            mamba_track_indices=torch.tensor([9, 10, 11]) if track else None)
+    RecurrentStateCommit(runner).after_accept(FakeBackend(), batch, seq_lens, commit_lens, 16)
+    (kw,) = calls
+    assert kw["spec_state"] is spec and kw["state_batch_indices"].tolist() == [7, 2, 5]
+    assert kw["accept_lens"] is commit_lens and kw["last_correct_step_indices"].tolist() == [4, 0, 2]
+    assert kw["mamba_track_indices"] is batch.mamba_track_indices
+    # 4 -> 9 crosses 8 after its step 3; 7 -> 8 ends on it at step 0; 12 -> 15 crosses nothing
+    assert (kw["mamba_steps_to_track"].tolist() if track else kw["mamba_steps_to_track"]) == (
+        [3, 0, -1] if track else None)
 
 
 def test_the_replay_pool_needs_no_backend_scatter(monkeypatch):

@@ -13,9 +13,10 @@ the commit sets it afterwards, one of two ways (docs/notes-replayssm.md):
   step index commit_len - 1 for every request (a chain; no tree), one fused launch, no host sync.
 - replay (SGLang's ``--enable-linear-replayssm-spec``, which start-up turns on for Gated DeltaNet targets where it
   applies, startup.check_replay_ssm): no snapshots; the verify records each token's raw inputs (k, v, gate, beta) in
-  a per-slot window, and the commit replays the first commit_len of them into the state, through
-  ``spec_utils.commit_mamba_states_after_verify`` (SGLang's EAGLE commit; conv windows still roll back by step). The
-  worker uses it when the pool was built for it (``replay_pool``), at every width W (k = 0 included: a window of one).
+  a per-slot window, and the commit replays the first commit_len of them into the state with SGLang's fold kernel
+  (the one its EAGLE commit ``spec_utils.commit_mamba_states_after_verify`` calls; conv windows still roll back by
+  step). The worker uses it when the pool was built for it (``replay_pool``), at every width W (k = 0 included: a
+  window of one).
 
 Radix caching of hybrid models (`--mamba-radix-cache-strategy extra_buffer`) also keeps snapshots of the state at
 every `mamba_track_interval` tokens, for later requests that share the prefix. A verify that crosses such a boundary
@@ -93,16 +94,39 @@ class RecurrentStateCommit:
             mamba_steps_to_track=self._steps_to_track(batch, prefix, commit_lens), model=self.model_runner.model)
 
     def _replay(self, batch, commit_lens: torch.Tensor, width: int) -> None:
-        """SGLang's commit for a verify of `width` tokens per request (EAGLE's: commit_mamba_states_after_verify). With
-        the replay pool it folds each request's first commit_lens recorded tokens into its state (and the
-        interval-crossing step's state into the radix track slot, from batch.seq_lens = the lengths before the
-        verify), then rolls the conv window back to step commit_lens - 1. A chain verify's accept index is row i's
-        verify rows i * width .. i * width + width - 1, so its last accepted step is commit_lens - 1, as above."""
-        from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
+        """Every request's first commit_lens recorded tokens folded into its state (and the state at a crossed radix
+        interval into its track slot), the conv window rolled back to step commit_lens - 1.
 
+        SGLang 0.5.17's replay pool folds at every commit (``replayssm_spec_fold``): we call that fold directly with a
+        chain's step indices, commit_lens - 1 and ``boundary_steps`` from the lengths before the verify
+        (batch.seq_lens), which is what SGLang's EAGLE commit (``commit_mamba_states_after_verify``) derives, through
+        ~12 more small launches, from an accept index: that host time bounded the k = 0 step on Qwen3.5
+        (benchmarks/results/floor-qwen3.5-replay-h200). Any other replay flavour (KDA, a pool without the fold) goes
+        through SGLang's commit with a chain's accept index (row i's verify rows i * width .. i * width + width - 1)."""
+        pool = self.model_runner.req_to_token_pool
+        mamba_pool = pool.mamba_pool
         bs = commit_lens.shape[0]
-        accept_index = self._accept_index(bs, width, commit_lens.device)
-        commit_mamba_states_after_verify(self._target, batch, commit_lens, accept_index, width)
+        if not getattr(mamba_pool, "replayssm_spec_fold", False) or getattr(mamba_pool, "replayssm_is_kda", False):
+            from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
+
+            accept_index = self._accept_index(bs, width, commit_lens.device)
+            commit_mamba_states_after_verify(self._target, batch, commit_lens, accept_index, width)
+            return
+        if bs == 0:
+            return
+        from sglang.kernels.ops.attention.fla import gdn_replayssm_spec_fold as fold
+
+        track = batch.mamba_track_indices
+        steps_to_track = None
+        if track is not None:
+            from sglang.srt.runtime_context import get_exec
+
+            steps_to_track = boundary_steps(batch.seq_lens, commit_lens, int(get_exec().mamba.mamba_track_interval))
+        fold.commit_gdn_replayssm_fold_after_verify(
+            spec_state=pool.get_speculative_mamba2_params_all_layers(),
+            state_batch_indices=pool.get_mamba_indices(batch.req_pool_indices), accept_lens=commit_lens,
+            last_correct_step_indices=commit_lens - 1, mamba_track_indices=track, mamba_steps_to_track=steps_to_track,
+            null_block_id=-1)
 
     def _accept_index(self, bs: int, width: int, device: torch.device) -> torch.Tensor:
         """[bs, width] int32: i * width + j (no launch once the buffer is large enough; it doubles when not)."""
