@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-stub", type=Path, help="run on SGLang's CPU engine (smoke test of this script): the stub "
                     "libcuda folder (tests' dflash_pair root / 'stub'); --server-args then default to the CPU ones")
     ap.add_argument("--wait-s", type=float, default=400)
-    ap.add_argument("--server-args", default=None, help="default: triton attention, float32, decode CUDA graphs to bs 64")
+    ap.add_argument("--server-args", default=None,
+                    help="default: triton attention, float32, decode CUDA graphs to bs 64")
     args = ap.parse_args(argv)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.cpu_stub:

@@ -128,9 +128,10 @@ def run_in_cpu_engine(test_file: str, tmp_path) -> str:
     if not shutil.which("gcc"):
         pytest.skip("the stub libcuda needs gcc")
     env = cpu_server_env(build_stub_libcuda(tmp_path / "stub"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
-                        Path(test_file).name], cwd=Path(__file__).parent, env=env, capture_output=True, text=True,
-                       timeout=600)
+    # -n 0: in this process (pyproject's addopts would start two xdist workers for one file)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-W",
+                        "ignore", Path(test_file).name], cwd=Path(__file__).parent, env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     return r.stdout
 

@@ -50,6 +50,13 @@ SPEC_ARGS = ["--speculative-algorithm", "DFLASH", "--speculative-num-draft-token
 # checks compare with the reference engine) through the worker's own control; test_adaptive_cpu.py forces width
 # switches with its k schedule. A worker without the control ignores the variable.
 FULL_BLOCK = {"SGLANG_DFLASH_ADAPTIVE": "0"}
+
+
+def with_grammar(args: list[str]) -> list[str]:
+    """Server args with xgrammar and custom logit processors on (the shared baseline's and the controls' servers)."""
+    args = list(args)
+    args[args.index("--grammar-backend") + 1] = "xgrammar"
+    return args + ["--enable-custom-logit-processor"]
 STARTUP_S = 420  # a cold start on a busy 2-core machine takes 35-200 s
 # Added to every test server's port, so that two checkouts can run tests/serving on one machine at once (a server
 # whose port is taken dies, while wait_healthy would get its answer from the other checkout's server).

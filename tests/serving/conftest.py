@@ -33,11 +33,12 @@ def baseline(dflash_pair):
         pytest.skip("gcc is needed to build the stub libcuda.so.1")
     from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server
 
-    from .compare import FLOAT32, port
+    from .compare import FLOAT32, port, with_grammar
 
     root, target, _, _ = dflash_pair
-    # float32 as the checkpoint is (SGLang's dtype "auto" would serve it in float16: see compare.TIE_TOL)
-    server = launch_server(target, port(BASE_PORT), root / "base.log", CPU_SERVER_ARGS + FLOAT32,
+    # float32 as the checkpoint is (SGLang's dtype "auto" would serve it in float16: see compare.TIE_TOL); xgrammar
+    # and custom logit processors on for test_controls_cpu (a request without them is served as before)
+    server = launch_server(target, port(BASE_PORT), root / "base.log", with_grammar(CPU_SERVER_ARGS) + FLOAT32,
                            cpu_server_env(root / "stub"))
     try:
         yield server
@@ -74,7 +75,8 @@ class SmolLM2Plain:
 @pytest.fixture(scope="package")
 def smollm2_plain(dflash_pair):
     """SmolLM2-135M-Instruct (real weights, float32) served by plain decoding, shared by the SmolLM2 tests of
-    test_real_targets_cpu and test_tree_cpu (one server start and one set of plain answers instead of two). Launched
+    test_real_targets_cpu and test_tree_cpu (one server start and one set of plain answers instead of two) and by
+    test_generate_server_cpu's self-prompts run (--server-url). Launched
     and returned at once like `baseline`; skipped where the SmolLM2 GGUF is not installed."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build the stub libcuda.so.1")

@@ -29,7 +29,7 @@ from .compare import (FLOAT32, SPEC_ARGS, assert_multi_token, assert_valid_sampl
                       log_count, port, wait_all_healthy)
 from .models import TRAIN_PROMPT_SEED, random_prompts  # noqa: E402
 
-PORT = 30006
+PORT = 30012  # not 30006: conftest.smollm2_plain's
 SCHEDULE = "15,0,3,0,0,7,1,15,2,0"  # every step switches width; plain steps back to back; the full block recurs
 MAX_TOKENS = 40
 

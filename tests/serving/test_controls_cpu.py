@@ -37,10 +37,10 @@ if shutil.which("gcc") is None:
 from sglang_dflash.testing import CPU_SERVER_ARGS, cpu_server_env, launch_server  # noqa: E402
 
 from .compare import (FLOAT32, FULL_BLOCK, SPEC_ARGS, assert_multi_token, check_all, check_greedy,  # noqa: E402
-                      client, full_logprobs, generate, greedy, port, processed, wait_all_healthy)
+                      client, full_logprobs, generate, greedy, port, processed, wait_all_healthy, with_grammar)
 from .models import random_prompts  # noqa: E402
 
-PORT, BASE_PORT = 30007, 30008
+PORT = 30007
 MAX_TOKENS = 32
 LOGPROB_TOL = 1e-4
 EOS = 1  # the tiny tokenizer's <|endoftext|>
@@ -63,38 +63,28 @@ WEAK = {"frequency_penalty": 0.05, "presence_penalty": 0.05}
 WEAK_REP = {"repetition_penalty": 1.02}
 
 
-def _with_grammar(args):
-    args = list(args)
-    args[args.index("--grammar-backend") + 1] = "xgrammar"
-    return args + ["--enable-custom-logit-processor"]
-
-
 @pytest.fixture(scope="module")
-def servers(dflash_pair):
-    """Its own plain server (the shared baseline runs --grammar-backend none) and a DFLASH server, both with xgrammar
-    and custom logit processors enabled. The plain one runs --disable-overlap-schedule like the shared baseline:
-    that is SGLang's exact plain decoding with penalties. Its overlap path (the default) is not: it feeds the
-    penalizers req.output_ids[-1] while preparing a step, before the previous step's token is known, so every
-    penalty lags one token (the first decode step penalises the last prompt token). Our worker is exact.
-    The DFLASH server runs overlap scheduling (SGLang's default): the controls' state advances on the worker's
-    stream, and the grammar matchers through SGLang's grammar barrier, while the scheduler already prepares the
-    next step; it also chunks prefills (12 tokens)."""
+def servers(dflash_pair, baseline):
+    """The shared baseline (conftest: xgrammar and custom logit processors on, --disable-overlap-schedule: SGLang's
+    exact plain decoding with penalties; its overlap path is not: it feeds the penalizers req.output_ids[-1] while
+    preparing a step, before the previous step's token is known, so every penalty lags one token and the first decode
+    step penalises the last prompt token. Our worker is exact) and a DFLASH server with the same switches. The DFLASH
+    server runs overlap scheduling (SGLang's default): the controls' state advances on the worker's stream, and the
+    grammar matchers through SGLang's grammar barrier, while the scheduler already prepares the next step; it also
+    chunks prefills (12 tokens)."""
     pytest.importorskip("xgrammar")
     root, target, draft, info = dflash_pair
     env = cpu_server_env(root / "stub")
-    base = launch_server(target, port(BASE_PORT), root / "base_controls.log", _with_grammar(CPU_SERVER_ARGS) + FLOAT32,
-                         env)
-    args = [a for a in _with_grammar(CPU_SERVER_ARGS) if a != "--disable-overlap-schedule"]
+    args = [a for a in with_grammar(CPU_SERVER_ARGS) if a != "--disable-overlap-schedule"]
     # chunked prefill too: prompts over 12 tokens are prefilled in pieces, and a request's penalty state must be
     # the one reset at its last chunk (earlier chunks' placeholder tokens are not output)
     args += FLOAT32 + SPEC_ARGS + ["--speculative-draft-model-path", str(draft), "--chunked-prefill-size", "12"]
     spec = launch_server(target, port(PORT), root / "spec_controls.log", args, {**env, **FULL_BLOCK})
     try:
-        wait_all_healthy(base, spec)
-        yield {"base": base, "spec": spec, "vocab": info["vocab"], "target": str(target)}
+        wait_all_healthy(baseline, spec)
+        yield {"base": baseline, "spec": spec, "vocab": info["vocab"], "target": str(target)}
     finally:
         spec.stop()
-        base.stop()
 
 
 def _prompts(vocab, n=6):

