@@ -26,8 +26,9 @@ def baseline(dflash_pair):
 
     Launched and returned at once (not waited for): each user waits for it together with its own DFLASH server,
     so the two cold starts overlap. Stopped (process group killed by PID) after the last test of tests/serving
-    (package scope; this directory must stay a package): an idle SGLang server busy-polls about one CPU core, so a
-    session-scoped one would slow every test collected after tests/serving."""
+    (package scope; this directory must stay a package): its memory is free again for the tests after it (idle, it
+    sleeps: CPU_SERVER_ARGS has --sleep-on-idle). Under pytest-xdist every module that uses it runs on one worker
+    (tests/conftest.py), so it starts once."""
     pytest.importorskip("openai")
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build the stub libcuda.so.1")

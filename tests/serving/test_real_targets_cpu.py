@@ -109,8 +109,8 @@ def reference_tau(target_model, prompts, max_new_tokens, stop_ids) -> dict:
     from sglang_dflash.train.evaluate import measure_tau
 
     drafter = load_drafter(ASSET, device="cpu", dtype=torch.float32, target_config=target_model.config)
-    # One thread: the shared baseline server of tests/serving busy-polls a core, and a 2-thread matmul that waits on
-    # its busy second thread made the reference run take over 13 min in CI (killed) instead of ~1.
+    # One thread: the other pytest-xdist worker keeps the second core busy, and a 2-thread matmul that waits on a busy
+    # second thread made the reference run take over 13 min in CI (killed) instead of ~1 (then an idle server's poll).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
