@@ -1,6 +1,7 @@
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 # The tests run tiny models: on 2 cores, intra-op thread hand-offs cost more than the maths (4x slower measured).
@@ -25,6 +26,7 @@ def shared_server_files(root: Path) -> set[str]:
     return files
 
 
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (-p no:xdist, the GPU machine) there is no such hook
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
