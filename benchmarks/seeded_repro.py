@@ -26,11 +26,14 @@ from pathlib import Path
 from benchmarks.gpu_e2e import build_tiny, post
 from sglang_dflash.testing import launch_server, worker_env
 
+# configuration -> (--enable-deterministic-inference?, environment). Without that flag SGLang 0.5.17 runs sgl_kernel's
+# rmsnorm, which has no float32 kernel: the H200 runs of 2026-11-28 lost the no-flag server to it twice (prefill graph
+# capture, then the verify graphs' capture), so on a GPU the no-flag configurations serve the float32 pair in bfloat16
 CONFIGS = {
-    "adaptive": ([], {}),
-    "adaptive+det": (["--enable-deterministic-inference"], {}),
-    "fixed+det": (["--enable-deterministic-inference"], {"SGLANG_DFLASH_ADAPTIVE": "0"}),
-    "fixed": ([], {"SGLANG_DFLASH_ADAPTIVE": "0"}),
+    "adaptive": (False, {}),
+    "adaptive+det": (True, {}),
+    "fixed+det": (True, {"SGLANG_DFLASH_ADAPTIVE": "0"}),
+    "fixed": (False, {"SGLANG_DFLASH_ADAPTIVE": "0"}),
 }
 
 
@@ -70,12 +73,8 @@ def main(argv=None) -> int:
         args.server_args = args.server_args or " ".join(CPU_SERVER_ARGS + ["--dtype", "float32",
                                                                           "--speculative-draft-attention-backend",
                                                                           "torch_native"])
-    # --disable-prefill-cuda-graph: SGLang 0.5.17 captures prefill graphs by default, and their capture runs
-    # sgl_kernel's rmsnorm, which has no float32 kernel (the H200 run of 2026-11-28 lost its `adaptive` server to it;
-    # --enable-deterministic-inference turns prefill graphs off, so its configurations served)
     args.server_args = args.server_args or ("--attention-backend triton --mem-fraction-static 0.25 --cuda-graph-max-bs "
-                                            "64 --grammar-backend none --sampling-backend pytorch --dtype float32 "
-                                            "--disable-prefill-cuda-graph")
+                                            "64 --grammar-backend none --sampling-backend pytorch --dtype float32")
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = build_tiny(args.build_tiny) if args.build_tiny else (Path(args.target), Path(args.draft))
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
@@ -106,7 +105,9 @@ def main(argv=None) -> int:
         summary["device"] = f"unknown ({e})"
     rc = 0
     for name in [c for c in args.configs.split(",") if c]:
-        extra_args, extra_env = CONFIGS[name]
+        deterministic, extra_env = CONFIGS[name]
+        extra_args = (["--enable-deterministic-inference"] if deterministic
+                      else [] if args.cpu_stub else ["--dtype", "bfloat16"])
         env = {**worker_env(base_env, builtin=False), **extra_env}
         server = launch_server(target, 30000, args.out / f"{name}.log", spec_args + extra_args, env)
         try:

@@ -280,6 +280,21 @@ def test_step_trace_records_every_reported_step(tmp_path):
     assert all(r["commit"] >= 1 for r in rows)
 
 
+def test_step_trace_reaches_the_file_while_the_server_runs(tmp_path, monkeypatch):
+    """Benchmarks stop a server with a kill, so the trace cannot wait for a clean exit to be flushed (one oracle run
+    kept only its first 64 KB): every TRACE_FLUSH_S, the lines so far are in the file."""
+    path = tmp_path / "trace.jsonl"
+    ctl = _controller(trace_path=str(path))
+    monkeypatch.setattr(width_control, "TRACE_FLUSH_S", 0.0)
+    _run(ctl, 2, 20, 0.5, np.random.default_rng(0), overlap=True)
+    # the header and every step whose feedback is in (overlap: the last two await theirs), not flushed by the test
+    assert len(path.read_text().splitlines()) >= 1 + 18
+    monkeypatch.setattr(width_control, "TRACE_FLUSH_S", 3600.0)
+    before = len(path.read_text().splitlines())
+    _run(ctl, 2, 5, 0.5, np.random.default_rng(1), overlap=True)
+    assert len(path.read_text().splitlines()) == before  # buffered between flushes: no write per step
+
+
 # ------------------------------------------------------------------------------ tensor parallelism: one decision
 class _Broadcast:
     """In-process stand-in for the TP group's CPU broadcast: rank 0's calls publish, rank 1's read the latest

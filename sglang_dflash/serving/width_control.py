@@ -88,6 +88,7 @@ REFRESH_FIRST, REFRESH_STEPS = 256, 2048
 # 10% margin covers timing noise.
 EXPLORE_MARGIN = 0.9
 OUTLIER = 4.0  # a cycle longer than this times the table's value is clipped to it (GC pause, a stall)
+TRACE_FLUSH_S = 1.0  # the step trace reaches its file at least this often (diagnostics only)
 # Tensor parallelism: the decision table is rank 0's table, shared at these step counts (a share every 16 steps while
 # exploration fills the table, every 128 after): a gloo broadcast of a few hundred bytes, ~0.1 ms, i.e. well under
 # 1% of the steps in between.
@@ -244,6 +245,7 @@ class WidthController:
         self._metric = _width_counter() if enable_metrics else None
         self._trace = (open(controls.trace_path.replace("{pid}", str(os.getpid())), "a", buffering=1 << 16)
                        if controls.trace_path else None)
+        self._trace_flushed = time.monotonic()
         if self._trace is not None:
             self._trace.write(json.dumps({"controls": controls.describe(), "block": block}) + "\n")
 
@@ -409,8 +411,6 @@ class WidthController:
         now = time.monotonic()
         if now - self._last_log >= self.controls.log_every_s:
             self._last_log = now
-            if self._trace is not None:
-                self._trace.flush()
             logger.info("sglang-dflash speculation: %s | %s | %s", self.controls.describe(), self.policy.summary(),
                         self.cost_summary(step.bs))
 
@@ -424,6 +424,11 @@ class WidthController:
             "timed_ms": ms(step.seconds), "charged_ms": ms(charged), "host_ms": ms(step.host),
             "table_ms": ms(costs.cost(step.bs, step.k)) if costs.has(step.k) else None,
             "commit": sum(step.accepted) / len(step.accepted) + 1 if step.accepted else None}) + "\n")
+        now = time.monotonic()
+        if now - self._trace_flushed >= TRACE_FLUSH_S:  # a benchmark stops its server with a kill: no clean exit
+            # flushes the buffer, and once a log interval lost all but the first 64 KB (results/oracle-long-levels-h200)
+            self._trace_flushed = now
+            self._trace.flush()
 
     def _trace_k(self, k: int):
         return "tree" if k == self.tree else k
