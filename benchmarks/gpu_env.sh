@@ -16,6 +16,8 @@ ln -sfn "$PWD/sglang_dflash" /tmp/ours/sglang_dflash
 ln -sfn "$PWD/kernels" "$PWD/sglang_dflash/kernels"
 export PYTHONPATH="/tmp/ours:$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 # SGLang's fa4 attention (its vendored flash_attn.cute) needs the CUTLASS DSL: staged by `gpu_stage.sh fa4`
+# a prefill-decode pair on two GPUs needs NIXL and SGLang's router: staged by `gpu_stage.sh pd`
+[ -d /tmp/pd/site/sglang_router ] && export PYTHONPATH="/tmp/pd/site:$PYTHONPATH"
 if [ -d /tmp/fa4/site/quack ]; then
   export PYTHONPATH="/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 fi

@@ -27,6 +27,11 @@
 #                                                                             -> /tmp/job/host-mr<N>[-c<C>]
 #          HOST_SHAPE=<a floor shape>: that shape on the chain weights instead, HOST_METHODS (none,ours-k0) per
 #          concurrency in HOST_CONC                                                    -> $JOB/host-<shape>-c<C>
+#   pd     issue #49 item 3 on a two-GPU machine: the real SmolLM2 pair (smollm2 staged) as a prefill-decode pair from
+#          launch/pd/serve.sh (prefill GPU 0, decode GPU 1, KV over NIXL: `gpu_stage.sh pd`; SGLang's router in front),
+#          PD_METHODS (none,ours) through the router, then one server of each on GPU 0 (one-none, one-ours); greedy
+#          chat prompts of the held-back sets at c = PD_CONC (1,8,32,64); every output compared with the PD pair
+#          without speculation (report --baseline pd-none); server logs kept (graphs captured per server)  -> $JOB/pd
 #   tau    the reference engine's held-out tau of DRAFTER on SmolLM2 in float32, T = 0 and 1 (TAU_PROMPTS, the
 #          carried prompts file: /tmp/prompts7.pt)                                             -> /tmp/job/tau
 #   prof   profile_step, PROF_SHAPE (qwen3-8b; any floor shape) on the chain target (DUMMY_WEIGHTS): PROF_METHODS
@@ -64,6 +69,8 @@
 #   tp2eq  greedy equality at --tp-size 2 on many prompts: TP2EQ_SHAPES (qwen3-8b,gemma-4-31b-it) x TP2EQ_METHODS
 #          (none,ours,ours-fixed), 256 prompts at c = 1 and at c = 32, 64 new tokens each       -> $JOB/tp2eq-<shape>
 #          (these three were gpu_breadth_job.sh's, retired 2026-11-28 with its older phases)
+#   dp2    issue #46 item 2: tp2's run with --dp-size 2 instead (SGLang's two replicas, one per GPU; each has our
+#          worker): TP2_METHODS then none again, greedy equality judged, c = 1, 8, 32, 64           -> $JOB/dp2
 #   oracle issue #45 items 2, 3: real speedups at a stated acceptance, ORACLE_SHAPE (qwen3-8b; any floor shape) on the
 #          chain target (random weights + the decisive head: the target follows its recording at every batch shape):
 #          ORACLE_METHODS (none,ours-oracle,ours-fixed-oracle,builtin; ours-k<N>-oracle too), greedy,
@@ -185,11 +192,12 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       OUT= RUN=$JOB/floor-$shape SHAPE=$shape METHODS="${FLOOR_METHODS:-none,ours,ours-fixed,builtin}" TEMPERATURES=0 \
         CONCURRENCY=${FLOOR_CONC:-1,8,32,64} ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common" \
         DRIVER_ARGS="--bracket --port ${PORT:-30000} --dummy-weights ${DUMMY_WEIGHTS:-chain}" bash benchmarks/gpu_cost_run.sh ;;
-    tp2|tp2gemma)
+    tp2|tp2gemma|dp2)
       shape=qwen3-8b; [ "$phase" = tp2gemma ] && shape=gemma-4-31b-it
+      parallel="--tp-size 2"; [ "$phase" = dp2 ] && parallel="--dp-size 2"
       big_shape_args "$shape" 64
       OUT= RUN=$JOB/$phase SHAPE=$shape METHODS="${TP2_METHODS:-none,ours-fixed,ours,builtin}" TEMPERATURES=0 \
-        CONCURRENCY=1,8,32,64 ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common --tp-size 2" \
+        CONCURRENCY=1,8,32,64 ROUNDS=2 DEADLINE_S=2400 RANDOM_VOCAB=$vocab COMMON_ARGS="$common $parallel" \
         DRIVER_ARGS="--bracket --port ${PORT:-30000} --dummy-weights ${DUMMY_WEIGHTS:-chain}" bash benchmarks/gpu_cost_run.sh ;;
     tp2eq)
       for shape in $(echo "${TP2EQ_SHAPES:-qwen3-8b,gemma-4-31b-it}" | tr , ' '); do
@@ -269,6 +277,26 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
       python3 -m benchmarks.profile_step --target /tmp/smollm2 --draft "$DRAFTER" \
         --methods "${PROF_METHODS:-none,ours-k0,ours-fixed}" --concurrency "${PROF_CONC:-1,8}" --vocab 49000 \
         --steps "${PROF_STEPS:-40}" --warmup-s 8 --out $JOB/smolprof --wait-s 200 --common-args "$COMMON_SMOL" ;;
+    pd)
+      wait_smollm2
+      run=$JOB/pd; mkdir -p $run
+      pd_bench=(--datasets "${PD_DATASETS:-humaneval,mtbench,gsm}" --temperatures 0 --concurrency "${PD_CONC:-1,8,32,64}"
+                --max-new-tokens 128 --rounds 1 --min-convs 64 --level-warmup 32 --tokenizer /tmp/smollm2 --no-progress)
+      for name in $(echo "${PD_METHODS:-none,ours}" | sed 's/[^,]*/pd-&/g' | tr , ' ') one-none one-ours; do
+        case $name in  # a pair behind the router on $PORT, or one server (the preset's own command) on GPU 0
+          one-*) cmd=(bash launch/smollm2-135m.sh --method "${name#one-}" --port "${PORT:-30000}") ;;
+          pd-*) cmd=(env PD_BACKEND=nixl bash launch/pd/serve.sh smollm2-135m --method "${name#pd-}"
+                     --port "${PORT:-30000}") ;;
+        esac
+        TARGET_PATH=/tmp/smollm2 DRAFT_PATH=$DRAFTER setsid "${cmd[@]}" > "$run/$name.server.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 90); do curl -sf "http://127.0.0.1:${PORT:-30000}/health" > /dev/null && break; sleep 5; done
+        python3 -m benchmarks.bench --url "http://127.0.0.1:${PORT:-30000}" --method "$name" --out "$run" "${pd_bench[@]}" \
+          || echo "[pd] $name: bench failed (server log $run/$name.server.log)"
+        kill -- -"$pid" 2>/dev/null; sleep 10; kill -9 -- -"$pid" 2>/dev/null
+      done
+      python3 -m benchmarks.report "$run" --baseline pd-none \
+        --title "SmolLM2-135M-Instruct + shipped drafter as a prefill-decode pair (NIXL, 2 GPUs)" ;;
     smol)
       wait_smollm2
       python3 -m benchmarks.driver --target /tmp/smollm2 --draft "$DRAFTER" \
@@ -293,8 +321,8 @@ for phase in $(echo "${PHASES:-cost,fixed,smol,prof}" | tr , ' '); do
   esac
   touch "$JOB/$phase.done"
   # results so far, for the polling call to bring back (at most 8 files per call)
-  done_dirs=$(cd $JOB && ls -d floor-* oracle-* prof-* tp2 tp2gemma tp2eq-* tree-smol tree-8b tree-e2e-tiny tree-e2e-smol \
-    ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-* 2>/dev/null)
+  done_dirs=$(cd $JOB && ls -d floor-* oracle-* prof-* tp2 tp2gemma dp2 tp2eq-* pd tree-smol tree-8b tree-e2e-tiny \
+    tree-e2e-smol ttft dflash2 cost gemma kbench smol trace8b tracesmol smolprof prof kerneltests tau host-* 2>/dev/null)
   tar czf $JOB/results.tar.gz --exclude=traces -C $JOB $done_dirs 2>/dev/null
 done
 echo "=== all done $(date -u +%T)"
