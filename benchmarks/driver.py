@@ -27,6 +27,9 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   ``none`` outputs (``OUT/none.outputs.jsonl.gz`` -> ``OUT/oracle-recording.json``; run ``none`` first). The
   builtin has no oracle form (the plugin refuses it: no clean hook into its draft); its row of such a run is its
   random-weight step cost, a projection;
+- ``<ours method>-inplace`` (``ours-inplace``, ``ours-k0-inplace``, ...): that method with
+  ``SGLANG_DFLASH_K0_STATE_IN_PLACE=1`` (a hybrid target's k = 0 steps update the recurrent state in place,
+  serving/recurrent_state.py; experimental);
 - ``<method>-rerun``: the same server as ``<method>``, run again under its own name. ``--bracket`` appends the
   first method's rerun after all the others, so the report's ``<first>-rerun/<first>`` column is the run's own drift:
   on a host-bound target, plain decoding alone moved by up to 1.7x between runs in one loan, and the first server on
@@ -74,6 +77,7 @@ PLUGIN_CHECK = (
 
 
 ORACLE = "-oracle"  # a method name's suffix: oracle drafts (issue #45)
+IN_PLACE = "-inplace"  # a method name's suffix: hybrid targets' k = 0 steps update the recurrent state in place
 ORACLE_RECORDING = "<oracle recording>"  # stands for the run's recording in method_variant's environment
 
 
@@ -84,6 +88,11 @@ def method_variant(method: str) -> tuple[str, dict]:
     ``<method>`` again."""
     if method.endswith(RERUN):
         return method_variant(method[:-len(RERUN)])
+    if method.endswith(IN_PLACE):
+        base, extra = method_variant(method[:-len(IN_PLACE)])
+        if base != "ours":
+            raise SystemExit(f"{method}: {IN_PLACE} is a switch of our worker (ours, ours-fixed, ours-k<N>{IN_PLACE})")
+        return base, {**extra, settings.K0_STATE_IN_PLACE: "1"}
     if method.endswith(ORACLE):  # the recording's path is resolved per run (server_env)
         base, extra = method_variant(method[:-len(ORACLE)])
         if base != "ours":
@@ -104,7 +113,7 @@ def method_variant(method: str) -> tuple[str, dict]:
     if method in ("none", "builtin", "ours"):
         return method, {}
     raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed, ours-k<N>, ours-tree<N> or "
-                     f"ours-adaptive-tree<N>, optionally followed by {RERUN}")
+                     f"ours-adaptive-tree<N>, optionally followed by {IN_PLACE}, {ORACLE} or {RERUN}")
 
 
 ROOT = Path(__file__).resolve().parents[1]

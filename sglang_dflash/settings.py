@@ -37,6 +37,7 @@ CACHE = "SGLANG_DFLASH_CACHE"
 TREE = "SGLANG_DFLASH_TREE"
 DUMMY_WEIGHTS = "SGLANG_DFLASH_DUMMY_WEIGHTS"
 REPLAY_SSM = "SGLANG_DFLASH_REPLAY_SSM"
+K0_STATE_IN_PLACE = "SGLANG_DFLASH_K0_STATE_IN_PLACE"
 PD = "SGLANG_DFLASH_PD"
 ORACLE_DRAFTS = "SGLANG_DFLASH_ORACLE_DRAFTS"
 ORACLE_PROFILE = "SGLANG_DFLASH_ORACLE_PROFILE"
@@ -275,6 +276,11 @@ SWITCHES: tuple[Switch, ...] = (
            "decoding (serving/recurrent_state.py; H200, Qwen3.5-35B-A3B shape: 64 running requests where snapshots "
            "allowed 16-18, greedy 212 / 212 equal to plain decoding at c = 1-64, benchmarks/results/"
            "floor-qwen3.5-replay-chain-h200). 0 keeps the snapshots. Passing the flag itself turns it on as well"),
+    Switch(K0_STATE_IN_PLACE, "k0_state_in_place", _flag(False), "0", "0, 1",
+           "experimental, with the replay commit: a k = 0 step's verify (one token per request) updates each request's "
+           "recurrent state in place with the kernel of SGLang's own GDN decode, and its commit has no fold to run, "
+           "saving one read of the fp32 state per request and step (~59 MB per request on Qwen3.5-35B-A3B). Exact "
+           "in the interpreted simulation; not yet measured on a GPU (serving/recurrent_state.py)"),
     Switch(PD, "pd", _flag(False), "0", "0, 1",
            "1: serve --disaggregation-mode prefill / decode (issue #49, serving/disagg.py, docs/notes-pd.md): the "
            "prefill server writes the drafter's context K/V, SGLang's transfer moves the drafter's pool beside the "
@@ -323,6 +329,7 @@ class Settings:
     tree: int  # range-checked against the block size by tree_size
     dummy_weights: str
     replay_ssm: bool
+    k0_state_in_place: bool
     pd: bool
     oracle_drafts: str | None
     oracle_profile: OracleProfile

@@ -9,6 +9,9 @@ Per step, with every request at its own mamba slot:
              replay    cache_ring=True: each token's raw k, v, gate, beta into the slot's window
                        (--enable-linear-replayssm-spec; SGLang 0.5.17's fold-every-commit protocol)
              snapshot  the state after every token into per-request step caches (SGLang's default)
+             in place  (SGLANG_DFLASH_K0_STATE_IN_PLACE=1, replay pool) through our hook on the replay verify
+                       (verify_one_token_in_place): at one token per request the state updated in place, at more
+                       tokens the replay verify
            plus the conv window after every token (random here: the conv kernel is not under test)
   accept   commit_len in 1..W per request (random)
   commit   RecurrentStateCommit.after_accept(..., width=W): the replay pool -> SGLang's fold
@@ -21,11 +24,13 @@ Per step, with every request at its own mamba slot:
 
 Widths cycle through k = 15, 0, 3, 7 (the adaptive policy's widths at a block of 16; k = 0 is a plain step).
 Mutations of the commit must make the check fail (the test's planted bugs): committing all W verified tokens,
-one token short, into the request-pool index instead of the mamba slot, or the snapshot scatter on a replay pool.
+one token short, into the request-pool index instead of the mamba slot, the snapshot scatter on a replay pool, or the
+fold after an in-place k = 0 verify (the token twice).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +39,8 @@ if __name__ == "__main__":  # the child: the worktree's package, not another ins
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from sglang_dflash.settings import K0_STATE_IN_PLACE  # noqa: E402
 
 LAYERS, H, HV, KD, VD = 2, 1, 2, 16, 16  # GDN layers, k heads, v heads, k dim, v dim
 SLOTS = 8  # mamba pool slots (incl. SGLang's padding slot)
@@ -109,12 +116,12 @@ def interpreter_shims() -> None:
 
 
 def simulate(device: str, replay: bool, track: bool = False, mutation: str | None = None, steps: int = 4,
-             seed: int = 0) -> dict:
+             seed: int = 0, in_place: bool = False) -> dict:
     import sglang.srt.configs.hybrid_arch as arch
     import sglang.srt.runtime_context as runtime_context
     import sglang.srt.speculative.spec_utils as spec_utils
 
-    from sglang_dflash.serving.recurrent_state import RecurrentStateCommit
+    from sglang_dflash.serving.recurrent_state import RecurrentStateCommit, verify_one_token_in_place
 
     g = torch.Generator().manual_seed(seed)
     bs = SLOT_OF_REQ.numel()
@@ -171,15 +178,19 @@ def simulate(device: str, replay: bool, track: bool = False, mutation: str | Non
             return saved_fold(accept_lens=wrong, **kw)
 
         fold.commit_gdn_replayssm_fold_after_verify = mutated
+    saved_env = os.environ.get(K0_STATE_IN_PLACE)
+    os.environ[K0_STATE_IN_PLACE] = "1" if in_place else "0"
     try:
         commit = RecurrentStateCommit(runner)
-        assert commit.active and commit.replay == replay
+        assert commit.active and commit.replay == replay and commit.in_place == in_place
+        if mutation == "fold_after_in_place":  # the verify updated the state in place, the commit folds it again
+            commit.in_place = False
         if mutation == "scatter":  # the pool has no snapshots, but the commit scatters them anyway
             commit.replay = False
         ref_temporal, ref_conv = temporal.clone(), conv.clone()
         others = [s for s in range(SLOTS) if s not in SLOT_OF_REQ.tolist() + (TRACK_SLOTS.tolist() if track else [])]
         prefix = torch.tensor([3, 9, 14], dtype=torch.int64, device=device)  # committed lengths
-        ok, max_err, tracked = True, 0.0, 0
+        ok, max_err, tracked, tracked_k0 = True, 0.0, 0, 0
         for step in range(steps):
             w = width_now[0] = WIDTHS[step % len(WIDTHS)]
             commit_lens = torch.randint(1, w + 1, (bs,), generator=g).to(torch.int32)
@@ -190,12 +201,21 @@ def simulate(device: str, replay: bool, track: bool = False, mutation: str | Non
             conv_window.zero_()
             conv_window[:, :, :w] = torch.randn(LAYERS, bs, w, CONV_DIM, CONV_W, generator=g).to(device)
             rows = torch.arange(bs, device=device)
-            for layer in range(LAYERS):  # the verify: the persistent state is not touched
-                if replay:
-                    _gdn(params[layer], inputs[layer], temporal[layer], slots, cu, disable_state_update=True,
-                         cache_ring=True, replayssm_rawv=spec.replayssm_rawv[layer],
-                         replayssm_rawk=spec.replayssm_rawk[layer], replayssm_g=spec.replayssm_g[layer],
-                         replayssm_beta=spec.replayssm_beta[layer])
+            for layer in range(LAYERS):  # the verify: the persistent state is not touched (but in place at k = 0)
+                def ring_verify(backend, i=layer, **_):
+                    return _gdn(params[i], inputs[i], temporal[i], slots, cu, disable_state_update=True,
+                                cache_ring=True, replayssm_rawv=spec.replayssm_rawv[i],
+                                replayssm_rawk=spec.replayssm_rawk[i], replayssm_g=spec.replayssm_g[i],
+                                replayssm_beta=spec.replayssm_beta[i])
+
+                if in_place:  # the hook as SGLang's GDN backend calls it (keywords), in front of the replay verify
+                    x = inputs[layer]
+                    verify_one_token_in_place(
+                        ring_verify, None, layer=SimpleNamespace(**params[layer]), query=x["q"], key=x["k"],
+                        value=x["v"], a=x["a"], b=x["b"], layer_cache=None, ssm_states=temporal[layer],
+                        cache_indices=slots, query_start_loc=cu, retrieve_parent_token=None)
+                elif replay:
+                    ring_verify(None)
                 else:
                     _gdn(params[layer], inputs[layer], temporal[layer], slots, cu, disable_state_update=True,
                          intermediate_states_buffer=snapshots[layer], intermediate_state_indices=rows.to(torch.int32),
@@ -222,14 +242,19 @@ def simulate(device: str, replay: bool, track: bool = False, mutation: str | Non
                 for i, s in enumerate(crossing.tolist()):
                     if s >= 0:  # the state after the boundary step: a step of the committed-only run
                         tracked += 1
+                        tracked_k0 += w == 1
                         checks.append((temporal[:, TRACK_SLOTS[i]], per_step[:, i, s]))
                         checks.append((conv[:, TRACK_SLOTS[i]], conv_window[:, i, s]))
             for got, want in checks:
                 max_err = max(max_err, (got.float() - want.float()).abs().max().item() if got.numel() else 0.0)
                 ok = ok and torch.equal(got, want)
             prefix = prefix + commit_lens.to(device)
-        return {"equal": bool(ok), "max_err": max_err, "tracked": tracked}
+        return {"equal": bool(ok), "max_err": max_err, "tracked": tracked, "tracked_k0": tracked_k0}
     finally:
+        if saved_env is None:
+            os.environ.pop(K0_STATE_IN_PLACE, None)
+        else:
+            os.environ[K0_STATE_IN_PLACE] = saved_env
         arch.mambaish_config, spec_utils.mambaish_config, spec_utils.get_exec, runtime_context.get_exec = saved
         scatter.fused_conv_window_scatter_with_mask = saved_scatter
         fold.commit_gdn_replayssm_fold_after_verify = saved_fold
@@ -244,6 +269,9 @@ CASES = {
     "bug_one_short": dict(replay=True, mutation="one_short", steps=2),
     "bug_slots": dict(replay=True, mutation="slots", steps=1),
     "bug_snapshot_scatter_on_replay_pool": dict(replay=True, mutation="scatter", steps=1),
+    "in_place": dict(replay=True, in_place=True, steps=6),
+    "in_place_track": dict(replay=True, in_place=True, track=True, steps=6),
+    "bug_fold_after_in_place": dict(replay=True, in_place=True, mutation="fold_after_in_place", steps=2),
 }
 
 
@@ -253,7 +281,6 @@ def run_cases(device: str) -> dict:
 
 if __name__ == "__main__":
     import json
-    import os
     import time
 
     assert os.environ.get("TRITON_INTERPRET") == "1" or "--cuda" in sys.argv

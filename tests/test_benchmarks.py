@@ -254,6 +254,9 @@ def test_driver_bracket_reruns_the_first_method(tmp_path):
     assert driver.method_variant("ours-fixed" + report.RERUN) == driver.method_variant("ours-fixed")
     assert driver.method_variant("ours-tree16") == ("ours", {settings.ADAPTIVE: "0", settings.TREE: "16"})
     assert driver.method_variant("ours-adaptive-tree16") == ("ours", {settings.TREE: "16"})  # the policy decides
+    assert driver.method_variant("ours-k0-inplace") == ("ours", {settings.K: "0", settings.K0_STATE_IN_PLACE: "1"})
+    with pytest.raises(SystemExit, match="a switch of our worker"):
+        driver.method_variant("none-inplace")
     with pytest.raises(SystemExit, match="unknown method"):  # before any server starts
         driver.main(["--target", "/x", "--methods", "none,nonsense", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad" / "none.json").exists()

@@ -22,6 +22,7 @@ pytest.importorskip("sglang")
 
 from _interpreter import needs_gpu, run_interpreted  # noqa: E402
 
+from sglang_dflash import settings  # noqa: E402
 from sglang_dflash.serving import compat, recurrent_state, startup  # noqa: E402
 from sglang_dflash.serving.recurrent_state import RecurrentStateCommit, boundary_steps  # noqa: E402
 
@@ -177,20 +178,23 @@ def simulated():
 
 
 @pytest.mark.slow  # the interpreted kernels: ~30 s for the module's cases
-@pytest.mark.parametrize("case", ["replay", "replay_track", "snapshot", "snapshot_track"])
+@pytest.mark.parametrize("case", ["replay", "replay_track", "snapshot", "snapshot_track", "in_place", "in_place_track"])
 def test_committed_state_is_the_state_after_only_the_committed_tokens(simulated, case):
     """k = 15, 0, 3, 7 in turn; after each commit every request's Gated DeltaNet state (all layers), conv window and
-    (extra_buffer) radix track slot equal running only its committed tokens, bit for bit; other slots untouched."""
+    (extra_buffer) radix track slot equal running only its committed tokens, bit for bit; other slots untouched.
+    in_place: SGLANG_DFLASH_K0_STATE_IN_PLACE=1, the verify through our hook (in place at k = 0)."""
     r = simulated[case]
     assert r["equal"], f"{case}: max |commit - committed-only run| = {r['max_err']}"
     assert r["max_err"] == 0.0
     if case.endswith("_track"):
         assert r["tracked"] > 0  # some commits crossed a snapshot boundary
+    if case == "in_place_track":
+        assert r["tracked_k0"] > 0  # ... at a k = 0 step too: the track copy after an in-place update
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["bug_all_verified", "bug_one_short", "bug_slots",
-                                  "bug_snapshot_scatter_on_replay_pool"])
+                                  "bug_snapshot_scatter_on_replay_pool", "bug_fold_after_in_place"])
 def test_planted_bugs_fail_the_check(simulated, case):
     assert not simulated[case]["equal"], f"{case}: the check did not see the planted bug"
 
@@ -385,3 +389,54 @@ def test_no_pool_hook_without_the_flag(monkeypatch):
     monkeypatch.setattr(recurrent_state, "_POOL_HOOK_INSTALLED", False)
     recurrent_state.install_replay_pool_hook(SimpleNamespace(enable_linear_replayssm_spec=False))
     assert compat.HYBRID_REQ_POOL_HOOK not in HookRegistry._hooks
+
+
+# ----------------------------------------------------------------- k = 0 in place (SGLANG_DFLASH_K0_STATE_IN_PLACE)
+@pytest.mark.parametrize("on,fold,width,expect", [(False, True, 1, "fold"), (True, True, 1, "in place"),
+                                                   (True, True, 4, "fold"), (True, False, 1, "sglang")])
+def test_in_place_commit_only_when_switched_on_at_one_token_on_a_fold_pool(monkeypatch, on, fold, width, expect):
+    """Off by default; on, only a one-token verify on a fold pool commits in place (its verify hook updated the state);
+    wider verifies fold, and a pool without the fold keeps SGLang's commit."""
+    import sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold as fold_mod
+    import sglang.srt.speculative.spec_utils as spec_utils
+
+    monkeypatch.setenv(settings.K0_STATE_IN_PLACE, "1" if on else "0")
+    runner = _replay_runner(monkeypatch, replay=True)
+    runner.req_to_token_pool.mamba_pool.replayssm_spec_fold = fold
+    runner.req_to_token_pool.get_speculative_mamba2_params_all_layers = object
+    runner.req_to_token_pool.get_mamba_indices = lambda req: req
+    seen = []
+    monkeypatch.setattr(fold_mod, "commit_gdn_replayssm_fold_after_verify", lambda **kw: seen.append("fold"))
+    monkeypatch.setattr(spec_utils, "commit_mamba_states_after_verify", lambda *a: seen.append("sglang"))
+    commit = RecurrentStateCommit(runner)
+    monkeypatch.setattr(commit, "_commit_in_place", lambda batch, lens: seen.append("in place"))
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]), seq_lens=torch.tensor([4, 9]),
+                            mamba_track_indices=None)
+    commit.after_accept(FakeBackend(), batch, batch.seq_lens, torch.ones(2, dtype=torch.int32), width)
+    assert commit.in_place == (on and fold) and seen == [expect]
+
+
+def test_in_place_hook_installed_only_when_switched_on(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    registered = []
+    monkeypatch.setattr(HookRegistry, "register", lambda target, hook, kind: registered.append(target))
+    monkeypatch.setattr(HookRegistry, "apply_hooks", lambda: None)
+    monkeypatch.setattr(recurrent_state, "_POOL_HOOK_INSTALLED", False)
+    monkeypatch.setattr(recurrent_state, "_IN_PLACE_HOOK_INSTALLED", False)
+    args = SimpleNamespace(enable_linear_replayssm_spec=True)
+    recurrent_state.install_replay_pool_hook(args)
+    assert registered == [compat.HYBRID_REQ_POOL_HOOK]
+    monkeypatch.setenv(settings.K0_STATE_IN_PLACE, "1")
+    recurrent_state.install_replay_pool_hook(args)
+    assert registered == [compat.HYBRID_REQ_POOL_HOOK, compat.GDN_REPLAY_VERIFY_HOOK]
+
+
+def test_in_place_hook_passes_wider_verifies_through():
+    """More than one token per request: SGLang's replay verify, untouched (the hook's test at one token is the
+    simulation's in_place case, which runs the kernel)."""
+    calls = []
+    out = recurrent_state.verify_one_token_in_place(
+        lambda backend, **kw: calls.append((backend, kw)) or "ring", "backend", query=torch.zeros(1, 8, 1, 4),
+        query_start_loc=torch.tensor([0, 4, 8]), layer=None)
+    assert out == "ring" and calls[0][0] == "backend" and set(calls[0][1]) == {"query", "query_start_loc", "layer"}

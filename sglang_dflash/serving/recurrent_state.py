@@ -17,6 +17,12 @@ the commit sets it afterwards, one of two ways (docs/notes-replayssm.md):
   (the one its EAGLE commit ``spec_utils.commit_mamba_states_after_verify`` calls; conv windows still roll back by
   step). The worker uses it when the pool was built for it (``replay_pool``), at every width W (k = 0 included: a
   window of one).
+- in place at k = 0 (experimental, SGLANG_DFLASH_K0_STATE_IN_PLACE=1, with the replay pool): a verify of one token
+  per request commits exactly that token, so it updates the state in place with the kernel of SGLang's GDN decode
+  (``verify_one_token_in_place``) and the commit only rolls the conv windows and fills crossed track slots. The
+  replay verify reads each request's state for its output and the fold reads and writes it again: one read more than
+  plain decoding, ~59 MB of fp32 state per request on Qwen3.5-35B-A3B, which grows with the batch like the k = 0
+  step's gap there (benchmarks/results/floor-qwen3.5-fold-h200).
 
 Radix caching of hybrid models (`--mamba-radix-cache-strategy extra_buffer`) also keeps snapshots of the state at
 every `mamba_track_interval` tokens, for later requests that share the prefix. A verify that crosses such a boundary
@@ -35,7 +41,10 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import settings
+from ..settings import K0_STATE_IN_PLACE
 from . import compat
+from .errors import DFlashStartupError
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -55,6 +64,7 @@ class RecurrentStateCommit:
         self.model_runner = model_runner
         self.active = mambaish_config(model_runner.model_config) is not None
         self.replay = self.active and replay_pool(getattr(model_runner, "req_to_token_pool", None))
+        self.in_place = self.replay and fold_pool(model_runner.req_to_token_pool) and settings.get(K0_STATE_IN_PLACE)
         # SGLang's commit takes a target worker and reads only its model runner
         self._target = SimpleNamespace(model_runner=model_runner)
         self._rows = None  # 0, 1, 2, ...: the accept index of a chain verify is a [bs, W] view of it
@@ -85,6 +95,9 @@ class RecurrentStateCommit:
         has its own backend: verify_widths.py); the replay commit reads the slots from the request pool instead."""
         if not self.active:
             return
+        if self.in_place and width == 1:
+            self._commit_in_place(batch, commit_lens)
+            return
         if self.replay:
             self._replay(batch, commit_lens, width)
             return
@@ -106,7 +119,7 @@ class RecurrentStateCommit:
         pool = self.model_runner.req_to_token_pool
         mamba_pool = pool.mamba_pool
         bs = commit_lens.shape[0]
-        if not getattr(mamba_pool, "replayssm_spec_fold", False) or getattr(mamba_pool, "replayssm_is_kda", False):
+        if not fold_pool(pool):
             from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 
             accept_index = self._accept_index(bs, width, commit_lens.device)
@@ -128,6 +141,27 @@ class RecurrentStateCommit:
             last_correct_step_indices=commit_lens - 1, mamba_track_indices=track, mamba_steps_to_track=steps_to_track,
             null_block_id=-1)
 
+    def _commit_in_place(self, batch, commit_lens: torch.Tensor) -> None:
+        """After a one-token verify that advanced every state in place (``verify_one_token_in_place``): the conv
+        windows rolled to that step, and a radix track slot crossed by this token given the new state and window
+        (SGLang's all-layers track copy, what its decode runs)."""
+        from sglang.kernels.ops.mamba import mamba_state_scatter_triton as scatter
+
+        pool = self.model_runner.req_to_token_pool
+        bs = commit_lens.shape[0]
+        if bs == 0:
+            return
+        spec = pool.get_speculative_mamba2_params_all_layers()
+        slots = pool.get_mamba_indices(batch.req_pool_indices)
+        for conv_states, window in zip(spec.conv, spec.intermediate_conv_window):
+            scatter.fused_conv_window_scatter_with_mask(conv_states, window, slots, commit_lens - 1)
+        if batch.mamba_track_indices is not None:
+            from sglang.srt.runtime_context import get_exec
+
+            crossed = boundary_steps(batch.seq_lens, commit_lens, int(get_exec().mamba.mamba_track_interval)) >= 0
+            scatter.track_mamba_states_all_layers(spec.conv[0], spec.temporal, slots, crossed,
+                                                  batch.mamba_track_indices, bs)
+
     def _accept_index(self, bs: int, width: int, device: torch.device) -> torch.Tensor:
         """[bs, width] int32: i * width + j (no launch once the buffer is large enough; it doubles when not)."""
         n = bs * width
@@ -146,6 +180,30 @@ class RecurrentStateCommit:
         return boundary_steps(prefix, commit_lens, int(get_exec().mamba.mamba_track_interval))
 
 
+def fold_pool(req_to_token_pool) -> bool:
+    """A GDN replay pool that folds at every commit (SGLang 0.5.17's ``replayssm_spec_fold``; not KDA): the pool whose
+    verify is ``GDNAttnBackend._replayssm_fold_target_verify`` and whose commit is the fold."""
+    mamba_pool = req_to_token_pool.mamba_pool
+    return bool(getattr(mamba_pool, "replayssm_spec_fold", False) and not getattr(mamba_pool, "replayssm_is_kda", False))
+
+
+def verify_one_token_in_place(original, backend, **kw):
+    """AROUND hook on SGLang's replay-pool GDN verify (``compat.GDN_REPLAY_VERIFY_HOOK``), installed with
+    SGLANG_DFLASH_K0_STATE_IN_PLACE=1: one token per request (our k = 0 step) -> the state updated in place by the
+    kernel SGLang's GDN decode runs, with its arguments, and no record (``_commit_in_place`` commits it); more tokens
+    -> SGLang's replay verify. The width is fixed per CUDA graph, so each verify graph captures one of the two."""
+    query, cu_seqlens = kw["query"], kw["query_start_loc"]
+    if query.shape[1] != cu_seqlens.shape[0] - 1:
+        return original(backend, **kw)
+    from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+
+    layer = kw["layer"]
+    return fused_sigmoid_gating_delta_rule_update(
+        A_log=layer.A_log, dt_bias=layer.dt_bias, q=query, k=kw["key"], v=kw["value"], a=kw["a"], b=kw["b"],
+        initial_state_source=kw["ssm_states"], initial_state_indices=kw["cache_indices"], cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0)
+
+
 def boundary_steps(prefix: torch.Tensor, commit_lens: torch.Tensor, interval: int) -> torch.Tensor:
     """For lengths prefix -> prefix + commit_lens: the step i (0-based, state after prefix + i + 1 tokens) that ends
     exactly on a multiple of `interval` crossed on the way, or -1 where none is crossed."""
@@ -158,6 +216,7 @@ def boundary_steps(prefix: torch.Tensor, commit_lens: torch.Tensor, interval: in
 
 # ------------------------------------------------------------------------------------ the replay pool at start-up
 _POOL_HOOK_INSTALLED = False
+_IN_PLACE_HOOK_INSTALLED = False
 
 
 def build_pool_for_replay(original, configurator, *args, **kwargs):
@@ -172,11 +231,23 @@ def install_replay_pool_hook(server_args) -> None:
     """With --enable-linear-replayssm-spec, hook the target's pool build (``build_pool_for_replay``). Called by the
     worker's constructor: it runs in the scheduler process before SGLang builds the target's pools
     (Scheduler.init_model_worker: the draft worker, then init_memory_pools). Once per process."""
-    global _POOL_HOOK_INSTALLED
-    if _POOL_HOOK_INSTALLED or not getattr(server_args, "enable_linear_replayssm_spec", False):
+    global _POOL_HOOK_INSTALLED, _IN_PLACE_HOOK_INSTALLED
+    if not getattr(server_args, "enable_linear_replayssm_spec", False):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(compat.HYBRID_REQ_POOL_HOOK, build_pool_for_replay, HookType.AROUND)
+    if not _POOL_HOOK_INSTALLED:
+        HookRegistry.register(compat.HYBRID_REQ_POOL_HOOK, build_pool_for_replay, HookType.AROUND)
+        _POOL_HOOK_INSTALLED = True
+    if settings.get(K0_STATE_IN_PLACE) and not _IN_PLACE_HOOK_INSTALLED:
+        from sglang.srt.layers.attention.linear import gdn_backend
+
+        if not hasattr(gdn_backend.GDNAttnBackend, "_replayssm_fold_target_verify"):
+            raise DFlashStartupError(
+                f"{K0_STATE_IN_PLACE}=1: this SGLang's GDN backend has no replay fold verify (SGLang 0.5.17's "
+                f"protocol). Fix: unset {K0_STATE_IN_PLACE}")
+        HookRegistry.register(compat.GDN_REPLAY_VERIFY_HOOK, verify_one_token_in_place, HookType.AROUND)
+        _IN_PLACE_HOOK_INSTALLED = True
+        logger.info("sglang-dflash: %s=1: k = 0 steps update the recurrent state in place (experimental)",
+                    K0_STATE_IN_PLACE)
     HookRegistry.apply_hooks()
-    _POOL_HOOK_INSTALLED = True
