@@ -269,8 +269,8 @@ CASES = {
     "bug_one_short": dict(replay=True, mutation="one_short", steps=2),
     "bug_slots": dict(replay=True, mutation="slots", steps=1),
     "bug_snapshot_scatter_on_replay_pool": dict(replay=True, mutation="scatter", steps=1),
-    "in_place": dict(replay=True, in_place=True, steps=6),
-    "in_place_track": dict(replay=True, in_place=True, track=True, steps=6),
+    "in_place": dict(replay=True, in_place=True, steps=2),  # k = 15 (the replay verify through the hook), then k = 0
+    "in_place_track": dict(replay=True, in_place=True, track=True, steps=2),  # request 0: 19 -> 20 at k = 0
     "bug_fold_after_in_place": dict(replay=True, in_place=True, mutation="fold_after_in_place", steps=2),
 }
 
