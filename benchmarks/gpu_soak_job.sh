@@ -80,9 +80,11 @@ for pair in $(echo "${PAIRS:-qwen3-8b,smollm2}" | tr , ' '); do
     qwen3-8b)
       [ -d /tmp/shape-qwen3-8b ] || python3 -m sglang_dflash.targets.shapes write qwen3-8b /tmp/shape-qwen3-8b || exit 1
       # the chain target (random weights re-drawn like a model's + the decisive head): greedy answers no bf16
-      # rounding flips, so every mismatch the soak reports is a lossless failure, not a near-tie
+      # rounding flips, so every mismatch the soak reports is a lossless failure, not a near-tie. The shape has no
+      # tokenizer: --skip-tokenizer-init (without it SGLang's warm-up request, text, reached the model as zero tokens
+      # and killed the plain server, 2026-11-28), so the soak sends token ids only (no chat, completions, grammar)
       SGLANG_DFLASH_DUMMY_WEIGHTS=chain soak_pair qwen3-8b /tmp/shape-qwen3-8b/target /tmp/shape-qwen3-8b/draft 151936 \
-        "" "--load-format dummy" "--speculative-draft-load-format dummy" ;;
+        "" "--load-format dummy --skip-tokenizer-init --grammar-backend none" "--speculative-draft-load-format dummy" ;;
     smollm2)
       [ -e /tmp/smollm2/model.safetensors ] || { echo "stage /tmp/smollm2 first (gpu_stage.sh smollm2)"; exit 1; }
       python3 - <<'EOF'

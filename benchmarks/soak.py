@@ -65,6 +65,7 @@ WEIGHTS = {"greedy": 24, "greedy_stream": 8, "prefix": 10, "long": 4, "stop": 8,
 TIE_KINDS = {"greedy", "greedy_stream", "prefix", "long"}  # plain greedy: a near-tie may be excused and replayed
 EXACT_KINDS = {"stop", "penalty", "logprob", "grammar", "completion", "chat"}  # greedy with state: identical
 FAULT_KINDS = {"disconnect", "abort_prefill", "abort_decode"}
+TOKENIZER_KINDS = {"completion", "chat"}  # the OpenAI APIs: a server started with --skip-tokenizer-init refuses them
 # never the repetition penalty together with an additive one: SGLang 0.5.17's plain path orders them by a hash
 # that changes between processes (tests/serving/test_controls_cpu.py)
 PENALTIES = [{"frequency_penalty": 0.5}, {"presence_penalty": 0.6}, {"repetition_penalty": 1.2},
@@ -79,11 +80,14 @@ class Mix:
     greedy outputs back (stop strings and stop ids are drawn from them, so they occur)."""
 
     def __init__(self, prompts: list[list[int]], vocab: int, max_new: int, input_limit: int, grammar: bool,
-                 model: str, weights: dict[str, float] | None = None, seed: int = 0):
+                 model: str, weights: dict[str, float] | None = None, seed: int = 0, tokenizer: bool = True):
         self.prompts, self.vocab, self.max_new, self.limit, self.model = prompts, vocab, max_new, input_limit, model
         w = dict(WEIGHTS if weights is None else weights)
         if not grammar:
             w.pop("grammar", None)
+        if not tokenizer:  # --skip-tokenizer-init (random-weight shapes): the OpenAI APIs need a tokenizer
+            for kind in TOKENIZER_KINDS:
+                w.pop(kind, None)
         self.kinds, self.weights = zip(*[(k, v) for k, v in w.items() if v > 0])
         rng = random.Random(seed)
         # shared prefixes: a radix hit for every request built on one after the first
@@ -611,6 +615,7 @@ def server_facts(url: str) -> dict:
     return {"input_limit": int(limit), "grammar": (info.get("grammar_backend") or "none") != "none",
             "reserve": 2 * int(info.get("speculative_num_draft_tokens") or 0) if spec else 0,
             "model": info.get("served_model_name") or info.get("model_path"), "speculative_algorithm": spec,
+            "tokenizer": not info.get("skip_tokenizer_init"),
             "max_total_num_tokens": info.get("max_total_num_tokens"),
             "version": info.get("version")}
 
@@ -623,7 +628,8 @@ def run(args) -> dict:
     weights = dict(WEIGHTS, **json.loads(args.weights)) if args.weights else None
     reserve = facts["reserve"] if args.reserve is None else args.reserve
     limit = min(facts["input_limit"], args.input_limit or 1 << 30) - reserve
-    mix = Mix(prompts, args.vocab, args.max_new_tokens, limit, facts["grammar"], facts["model"], weights, args.seed)
+    mix = Mix(prompts, args.vocab, args.max_new_tokens, limit, facts["grammar"], facts["model"], weights, args.seed,
+              tokenizer=facts["tokenizer"])
     start_pool = pool(args.url)
     mem_start = memory(args.server_pid)
     phase = asyncio.run(load(args.url, mix, args.duration_s, args.concurrency, args.seed, args.timeout_s,

@@ -182,7 +182,8 @@ def simulated():
 def test_committed_state_is_the_state_after_only_the_committed_tokens(simulated, case):
     """k = 15, 0, 3, 7 in turn; after each commit every request's Gated DeltaNet state (all layers), conv window and
     (extra_buffer) radix track slot equal running only its committed tokens, bit for bit; other slots untouched.
-    in_place: SGLANG_DFLASH_K0_STATE_IN_PLACE=1, the verify through our hook (in place at k = 0)."""
+    in_place: SGLANG_DFLASH_K0_STATE_IN_PLACE=1, the verify through our hook (at k = 0 SGLang's decode kernels, in
+    place, held to plain decoding of the token bit for bit and to the verify kernel's state up to rounding)."""
     r = simulated[case]
     assert r["equal"], f"{case}: max |commit - committed-only run| = {r['max_err']}"
     assert r["max_err"] == 0.0
@@ -194,7 +195,8 @@ def test_committed_state_is_the_state_after_only_the_committed_tokens(simulated,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["bug_all_verified", "bug_one_short", "bug_slots",
-                                  "bug_snapshot_scatter_on_replay_pool", "bug_fold_after_in_place"])
+                                  "bug_snapshot_scatter_on_replay_pool", "bug_fold_after_in_place",
+                                  "bug_in_place_commit_without_hook"])
 def test_planted_bugs_fail_the_check(simulated, case):
     assert not simulated[case]["equal"], f"{case}: the check did not see the planted bug"
 
@@ -429,14 +431,32 @@ def test_in_place_hook_installed_only_when_switched_on(monkeypatch):
     assert registered == [compat.HYBRID_REQ_POOL_HOOK]
     monkeypatch.setenv(settings.K0_STATE_IN_PLACE, "1")
     recurrent_state.install_replay_pool_hook(args)
-    assert registered == [compat.HYBRID_REQ_POOL_HOOK, compat.GDN_REPLAY_VERIFY_HOOK]
+    assert registered == [compat.HYBRID_REQ_POOL_HOOK, compat.GDN_EXTEND_HOOK]
 
 
-def test_in_place_hook_passes_wider_verifies_through():
-    """More than one token per request: SGLang's replay verify, untouched (the hook's test at one token is the
-    simulation's in_place case, which runs the kernel)."""
+@pytest.mark.parametrize("mode,width,fold", [("extend", 1, True), ("verify", 4, True), ("verify", 1, False)])
+def test_in_place_hook_passes_everything_else_through(mode, width, fold):
+    """A prefill (extend), a wider verify or a pool without the fold: SGLang's forward, untouched, with the arguments
+    as given (the hook's test at one token per request is the simulation's in_place case, which runs the kernels)."""
     calls = []
-    out = recurrent_state.verify_one_token_in_place(
-        lambda backend, **kw: calls.append((backend, kw)) or "ring", "backend", query=torch.zeros(1, 8, 1, 4),
-        query_start_loc=torch.tensor([0, 4, 8]), layer=None)
-    assert out == "ring" and calls[0][0] == "backend" and set(calls[0][1]) == {"query", "query_start_loc", "layer"}
+    pool = SimpleNamespace(mamba_pool=SimpleNamespace(enable_linear_replayssm_spec=True, replayssm_spec_fold=fold,
+                                                      replayssm_is_kda=False))
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: mode == "verify"),
+                            spec_info=SimpleNamespace(draft_token_num=width))
+    backend = SimpleNamespace(req_to_token_pool=pool)
+    out = recurrent_state.verify_one_token_as_decode(
+        lambda *a, **kw: calls.append((a, kw)) or "sglang", backend, "layer", batch, mixed_qkv="x", a="a", b="b")
+    assert out == "sglang" and calls == [((backend, "layer", batch), {"mixed_qkv": "x", "a": "a", "b": "b"})]
+
+
+def test_in_place_hook_runs_the_decode_path_at_one_token(monkeypatch):
+    seen = []
+    monkeypatch.setattr(recurrent_state, "decode_one_token", lambda *a: seen.append(a) or "decode")
+    pool = SimpleNamespace(mamba_pool=SimpleNamespace(enable_linear_replayssm_spec=True, replayssm_spec_fold=True,
+                                                      replayssm_is_kda=False))
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True),
+                            spec_info=SimpleNamespace(draft_token_num=1))
+    backend = SimpleNamespace(req_to_token_pool=pool)
+    out = recurrent_state.verify_one_token_as_decode(lambda *a, **kw: "sglang", backend, q=None, layer="L",
+                                                     forward_batch=batch, mixed_qkv="x", a="a", b="b")
+    assert out == "decode" and seen == [(backend, "L", "x", "a", "b")]

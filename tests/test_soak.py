@@ -45,6 +45,9 @@ def test_mix_is_seeded_and_stays_under_the_limit():
             assert len(prompt) >= 200 - 34
     assert kinds == set(soak.WEIGHTS) - {"grammar"}  # no grammar backend: no grammar request
     assert "grammar" in {_mix(grammar=True).next(rng)["kind"] for _ in range(500)}
+    # a server without a tokenizer (--skip-tokenizer-init, the random-weight shapes): token-id requests only
+    no_tok = {_mix(tokenizer=False).next(rng)["kind"] for _ in range(2000)}
+    assert no_tok == set(soak.WEIGHTS) - {"grammar"} - soak.TOKENIZER_KINDS
 
 
 def test_stop_strings_come_from_earlier_outputs():

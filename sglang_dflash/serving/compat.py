@@ -27,7 +27,7 @@ What differs between 0.5.17 and 0.5.23, and where each difference is handled:
   Start-up turns the flag on where the fold was read and tested (0.5.17); both releases refuse it for a DFLASH
   target that is not KDA, a refusal aimed at their own DFLASH worker's commit, which our worker does not use
   (module global ``kimi_linear_config`` in 0.5.17, field ``hybrid_kda_config`` in 0.5.23).
-  -> :data:`REPLAY_SSM_AUTO`, :data:`HYBRID_REQ_POOL_HOOK`, :func:`replay_pool_for_gdn`, :data:`GDN_REPLAY_VERIFY_HOOK`.
+  -> :data:`REPLAY_SSM_AUTO`, :data:`HYBRID_REQ_POOL_HOOK`, :func:`replay_pool_for_gdn`, :data:`GDN_EXTEND_HOOK`.
 - prefill-decode disaggregation (disagg.py): the relay hooks were written against 0.5.17's decode scheduler; the
   draft-input builder takes (batch, server_args, last_tokens, future_map) there and (batch, last_tokens, future_map)
   in 0.5.23, which also has its own DFLASH relay. -> :func:`pd_release_ok`.
@@ -207,8 +207,8 @@ def pd_release_ok() -> bool:
 REPLAY_SSM_AUTO = _AT_MOST_0_5_17
 # where SGLang builds a hybrid target's request + recurrent-state pools (and refuses the flag for DFLASH + non-KDA)
 HYBRID_REQ_POOL_HOOK = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
-# the replay pool's GDN verify (0.5.17, gdn_backend.py): the k = 0 in-place switch hooks it
-GDN_REPLAY_VERIFY_HOOK = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._replayssm_fold_target_verify"
+# the GDN layers' extend forward, TARGET_VERIFY included (0.5.17, gdn_backend.py): the k = 0 in-place switch hooks it
+GDN_EXTEND_HOOK = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.forward_extend"
 _KDA_PROBE = "kimi_linear_config"  # 0.5.17: the configurator module's global that the refusal asks
 
 

@@ -18,11 +18,13 @@ the commit sets it afterwards, one of two ways (docs/notes-replayssm.md):
   step). The worker uses it when the pool was built for it (``replay_pool``), at every width W (k = 0 included: a
   window of one).
 - in place at k = 0 (experimental, SGLANG_DFLASH_K0_STATE_IN_PLACE=1, with the replay pool): a verify of one token
-  per request commits exactly that token, so it updates the state in place with the kernel of SGLang's GDN decode
-  (``verify_one_token_in_place``) and the commit only rolls the conv windows and fills crossed track slots. The
-  replay verify reads each request's state for its output and the fold reads and writes it again: one read more than
-  plain decoding, ~59 MB of fp32 state per request on Qwen3.5-35B-A3B, which grows with the batch like the k = 0
-  step's gap there (benchmarks/results/floor-qwen3.5-fold-h200).
+  per request commits exactly that token, so it runs what SGLang's GDN decode runs (``verify_one_token_as_decode``:
+  the conv window and the state updated in place by the decode kernels, no record) and the commit only fills crossed
+  track slots. The replay verify reads each request's state for its output and the fold reads and writes it again,
+  one read more than plain decoding (~59 MB of fp32 state per request on Qwen3.5-35B-A3B); the verify-mode conv also
+  writes a window per step. A profile at c = 64 put the k = 0 step's GPU work 1.18 ms over plain decoding's with
+  the state in place but the verify's conv and GDN kernels, 0.53 + 0.38 ms of it in those two
+  (benchmarks/results/floor-qwen3.5-inplace-h200).
 
 Radix caching of hybrid models (`--mamba-radix-cache-strategy extra_buffer`) also keeps snapshots of the state at
 every `mamba_track_interval` tokens, for later requests that share the prefix. A verify that crosses such a boundary
@@ -64,7 +66,7 @@ class RecurrentStateCommit:
         self.model_runner = model_runner
         self.active = mambaish_config(model_runner.model_config) is not None
         self.replay = self.active and replay_pool(getattr(model_runner, "req_to_token_pool", None))
-        self.in_place = self.replay and fold_pool(model_runner.req_to_token_pool) and settings.get(K0_STATE_IN_PLACE)
+        self.in_place = self.replay and in_place_pool(model_runner.req_to_token_pool) and settings.get(K0_STATE_IN_PLACE)
         # SGLang's commit takes a target worker and reads only its model runner
         self._target = SimpleNamespace(model_runner=model_runner)
         self._rows = None  # 0, 1, 2, ...: the accept index of a chain verify is a [bs, W] view of it
@@ -142,25 +144,19 @@ class RecurrentStateCommit:
             null_block_id=-1)
 
     def _commit_in_place(self, batch, commit_lens: torch.Tensor) -> None:
-        """After a one-token verify that advanced every state in place (``verify_one_token_in_place``): the conv
-        windows rolled to that step, and a radix track slot crossed by this token given the new state and window
-        (SGLang's all-layers track copy, what its decode runs)."""
+        """After a one-token verify that advanced every conv window and state in place (``verify_one_token_as_decode``):
+        a radix track slot crossed by this token given the new state and window (SGLang's all-layers track copy, what
+        its decode runs)."""
+        if batch.mamba_track_indices is None or commit_lens.shape[0] == 0:
+            return
         from sglang.kernels.ops.mamba import mamba_state_scatter_triton as scatter
+        from sglang.srt.runtime_context import get_exec
 
         pool = self.model_runner.req_to_token_pool
-        bs = commit_lens.shape[0]
-        if bs == 0:
-            return
         spec = pool.get_speculative_mamba2_params_all_layers()
-        slots = pool.get_mamba_indices(batch.req_pool_indices)
-        for conv_states, window in zip(spec.conv, spec.intermediate_conv_window):
-            scatter.fused_conv_window_scatter_with_mask(conv_states, window, slots, commit_lens - 1)
-        if batch.mamba_track_indices is not None:
-            from sglang.srt.runtime_context import get_exec
-
-            crossed = boundary_steps(batch.seq_lens, commit_lens, int(get_exec().mamba.mamba_track_interval)) >= 0
-            scatter.track_mamba_states_all_layers(spec.conv[0], spec.temporal, slots, crossed,
-                                                  batch.mamba_track_indices, bs)
+        crossed = boundary_steps(batch.seq_lens, commit_lens, int(get_exec().mamba.mamba_track_interval)) >= 0
+        scatter.track_mamba_states_all_layers(spec.conv[0], spec.temporal, pool.get_mamba_indices(batch.req_pool_indices),
+                                              crossed, batch.mamba_track_indices, commit_lens.shape[0])
 
     def _accept_index(self, bs: int, width: int, device: torch.device) -> torch.Tensor:
         """[bs, width] int32: i * width + j (no launch once the buffer is large enough; it doubles when not)."""
@@ -187,21 +183,53 @@ def fold_pool(req_to_token_pool) -> bool:
     return bool(getattr(mamba_pool, "replayssm_spec_fold", False) and not getattr(mamba_pool, "replayssm_is_kda", False))
 
 
-def verify_one_token_in_place(original, backend, **kw):
-    """AROUND hook on SGLang's replay-pool GDN verify (``compat.GDN_REPLAY_VERIFY_HOOK``), installed with
-    SGLANG_DFLASH_K0_STATE_IN_PLACE=1: one token per request (our k = 0 step) -> the state updated in place by the
-    kernel SGLang's GDN decode runs, with its arguments, and no record (``_commit_in_place`` commits it); more tokens
-    -> SGLang's replay verify. The width is fixed per CUDA graph, so each verify graph captures one of the two."""
-    query, cu_seqlens = kw["query"], kw["query_start_loc"]
-    if query.shape[1] != cu_seqlens.shape[0] - 1:
-        return original(backend, **kw)
-    from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+def in_place_pool(req_to_token_pool) -> bool:
+    """The pool on which SGLANG_DFLASH_K0_STATE_IN_PLACE applies: a replay pool that folds at every commit. The verify
+    hook and the commit ask the same question, so a k = 0 verify runs in place exactly where its commit skips the
+    fold."""
+    return replay_pool(req_to_token_pool) and fold_pool(req_to_token_pool)
 
-    layer = kw["layer"]
-    return fused_sigmoid_gating_delta_rule_update(
-        A_log=layer.A_log, dt_bias=layer.dt_bias, q=query, k=kw["key"], v=kw["value"], a=kw["a"], b=kw["b"],
-        initial_state_source=kw["ssm_states"], initial_state_indices=kw["cache_indices"], cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0)
+
+_EXTEND_ARGS = ("layer", "forward_batch", "mixed_qkv", "a", "b")  # GDNAttnBackend.forward_extend's, after self
+
+
+def verify_one_token_as_decode(original, backend, *args, **kw):
+    """AROUND hook on SGLang's GDN ``forward_extend`` (``compat.GDN_EXTEND_HOOK``), installed with
+    SGLANG_DFLASH_K0_STATE_IN_PLACE=1: a TARGET_VERIFY of one token per request on an in-place pool (our k = 0 step)
+    runs SGLang's GDN decode kernels (``decode_one_token``), whose token is always committed (``_commit_in_place``);
+    anything else is SGLang's own forward. The width is fixed per CUDA graph, so each verify graph captures one of the
+    two."""
+    got = dict(zip(_EXTEND_ARGS, args))
+    got.update((name, kw[name]) for name in _EXTEND_ARGS if name in kw)
+    batch = got.get("forward_batch")
+    if (batch is None or not batch.forward_mode.is_target_verify() or batch.spec_info.draft_token_num != 1
+            or not in_place_pool(backend.req_to_token_pool)):
+        return original(backend, *args, **kw)
+    return decode_one_token(backend, got["layer"], got["mixed_qkv"], got["a"], got["b"])
+
+
+def decode_one_token(backend, layer, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One token per request through a GDN layer as SGLang's decode runs it (GDNAttnBackend.forward_decode): the conv
+    window rolled and the recurrent state advanced in place, in the request's own slots, by the same kernels, so a
+    k = 0 step's outputs are plain decoding's. Left to the commit: the radix track copy (decode does it inside)."""
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    slots = backend.forward_metadata.mamba_cache_indices[: mixed_qkv.shape[0]]
+    x = gdn_backend.causal_conv1d_update(mixed_qkv, cache.conv[0], layer.conv_weights, layer.bias, layer.activation,
+                                         conv_state_indices=slots)
+    kernels = backend.kernel_dispatcher
+    if kernels.supports_packed_decode:
+        return kernels.packed_decode(x, a, b, A_log=layer.A_log, dt_bias=layer.dt_bias, scale=layer.head_k_dim ** -0.5,
+                                     ssm_states=cache.temporal, cache_indices=slots, num_v_heads=layer.num_v_heads,
+                                     head_v_dim=layer.head_v_dim)
+    bs = x.shape[0]
+    q, k, v = torch.split(x, [layer.q_dim, layer.k_dim, layer.v_dim], dim=-1)
+    return kernels.decode(q=q.view(1, bs, layer.num_q_heads, layer.head_q_dim),
+                          k=k.view(1, bs, layer.num_k_heads, layer.head_k_dim),
+                          v=v.view(1, bs, layer.num_v_heads, layer.head_v_dim), a=a, b=b, A_log=layer.A_log,
+                          dt_bias=layer.dt_bias, ssm_states=cache.temporal, cache_indices=slots,
+                          query_start_loc=backend.forward_metadata.query_start_loc)
 
 
 def boundary_steps(prefix: torch.Tensor, commit_lens: torch.Tensor, interval: int) -> torch.Tensor:
@@ -246,7 +274,7 @@ def install_replay_pool_hook(server_args) -> None:
             raise DFlashStartupError(
                 f"{K0_STATE_IN_PLACE}=1: this SGLang's GDN backend has no replay fold verify (SGLang 0.5.17's "
                 f"protocol). Fix: unset {K0_STATE_IN_PLACE}")
-        HookRegistry.register(compat.GDN_REPLAY_VERIFY_HOOK, verify_one_token_in_place, HookType.AROUND)
+        HookRegistry.register(compat.GDN_EXTEND_HOOK, verify_one_token_as_decode, HookType.AROUND)
         _IN_PLACE_HOOK_INSTALLED = True
         logger.info("sglang-dflash: %s=1: k = 0 steps update the recurrent state in place (experimental)",
                     K0_STATE_IN_PLACE)
