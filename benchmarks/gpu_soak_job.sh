@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue #37, item 3: the soak on one GPU (H100), not yet run. For each pair in PAIRS, on one GPU:
+# Issues #37 item 3, #46 item 1: the soak on a GPU, not yet run through. For each pair in PAIRS:
 #   1. the plain server (no speculation) alone under the soak's load: its latencies are the reference
 #      (SOAK_S seconds at CONCURRENCY)                                               -> $JOB/<pair>/plain.json
-#   2. ours (adaptive widths on, SGLang's defaults: overlap scheduling, CUDA graphs) under the same load, every
-#      greedy answer replayed on the plain server and judged (benchmarks/soak.py: identical, or a near-tie of the
-#      plain server under TIE_TOL whose rest then equals the plain continuation), requests slower than 2x the
-#      plain run's p99 listed, /health and the KV pool polled, the pool back to its idle size at the end
-#                                                                                    -> $JOB/<pair>/ours.json
+#   2. each of SOAK_METHODS (default ours; ours-fixed = SGLANG_DFLASH_ADAPTIVE=0) in turn, SGLang's defaults
+#      (overlap scheduling, CUDA graphs), under the same load, every greedy answer replayed on the plain server and
+#      judged (benchmarks/soak.py: identical, or a near-tie of the plain server under TIE_TOL whose rest then equals
+#      the plain continuation), /health and the KV pool polled, the pool back to its idle size at the end; for ours
+#      the requests slower than 2x the plain run's p99 listed (ours-fixed is exempt: at tau ~1 it pays a full block
+#      per token by design)                                                        -> $JOB/<pair>/<method>.json
 #   plus both servers' logs and meta.json (command, device, date, commit). Pass: ours.json "ok" (0 mismatches
 #   outside near-ties, no error, no health failure, pool idle again, none over 2x plain's p99) and, per the
 #   issue, >= 2,000 greedy answers compared ("compared").
@@ -16,17 +17,24 @@
 # chat prompts from benchmarks/data). Started on the lent machine after the device stack is installed:
 #   PAIRS=qwen3-8b,smollm2 nohup bash benchmarks/gpu_soak_job.sh > /tmp/job/soak.log 2>&1 &
 # then copy $JOB (default /tmp/job/soak) to benchmarks/results/soak-h100/. Both servers share the GPU
-# (MEM_FRACTION each); the plain one idles while ours is soaked.
+# (MEM_FRACTION each); the plain one idles while ours is soaked. TP=2: both servers at --tp-size 2 over the GPUs
+# in CUDA_VISIBLE_DEVICES; PORT (30000): the plain server's port, ours takes PORT + 1 (two soaks side by side on
+# separate GPUs need separate ports and JOBs), e.g.
+#   CUDA_VISIBLE_DEVICES=0 JOB=/tmp/soakA PAIRS=qwen3-8b SOAK_METHODS=ours,ours-fixed bash benchmarks/gpu_soak_job.sh
+#   CUDA_VISIBLE_DEVICES=2,3 JOB=/tmp/soakB PORT=30100 TP=2 CONCURRENCY=64 PAIRS=qwen3-8b bash benchmarks/gpu_soak_job.sh
 set -uo pipefail
 JOB=${JOB:-/tmp/job/soak}
 SOAK_S=${SOAK_S:-300}
 CONCURRENCY=${CONCURRENCY:-128}
+SOAK_METHODS=${SOAK_METHODS:-ours}
+PORT=${PORT:-30000}
+TP=${TP:-1}
 TIE_TOL=${TIE_TOL:-0.25}  # bf16: the GPU e2e runs saw near-ties up to 0.21 nats (benchmarks/results/gpu_e2e_smollm2)
 MEM_FRACTION=${MEM_FRACTION:-0.4}
 source benchmarks/gpu_env.sh || exit 1
 COMMON="--attention-backend triton --sampling-backend pytorch --grammar-backend xgrammar --mem-fraction-static
  $MEM_FRACTION --cuda-graph-max-bs-decode $CONCURRENCY --max-running-requests $CONCURRENCY --trust-remote-code
- --enable-cache-report"
+ --enable-cache-report --tp-size $TP"
 DRAFTER=sglang_dflash/assets/SmolLM2-135M-Instruct-DFlash-b16
 
 wait_health() {  # URL PID LOG
@@ -46,21 +54,27 @@ stop() {  # PID: SIGTERM to its group, then KILL (testing.Server.stop's order)
 soak_pair() {  # NAME TARGET DRAFT VOCAB PROMPTS EXTRA_SERVER_ARGS EXTRA_SPEC_ARGS
   local name=$1 target=$2 draft=$3 vocab=$4 prompts=$5 extra=$6 spec_extra=$7 out=$JOB/$1
   mkdir -p "$out"
-  setsid python3 -m sglang.launch_server --model-path "$target" --port 30000 $COMMON $extra > "$out/plain.log" 2>&1 &
+  local plain_url=http://127.0.0.1:$PORT ours_url=http://127.0.0.1:$((PORT + 1)) method
+  setsid python3 -m sglang.launch_server --model-path "$target" --port "$PORT" $COMMON $extra > "$out/plain.log" 2>&1 &
   local plain=$!
-  wait_health http://127.0.0.1:30000 $plain "$out/plain.log" || { stop $plain; return 1; }
+  wait_health "$plain_url" $plain "$out/plain.log" || { stop $plain; return 1; }
   local common_soak="--duration-s $SOAK_S --concurrency $CONCURRENCY --vocab $vocab --max-new-tokens 1024
     --reserve 32 --stall-clients 2 --stall-s 30 $prompts"
-  python3 -m benchmarks.soak --url http://127.0.0.1:30000 $common_soak --server-pid $plain --out "$out/plain.json" \
+  python3 -m benchmarks.soak --url "$plain_url" $common_soak --server-pid $plain --out "$out/plain.json" \
     | tee "$out/plain.txt"
-  setsid python3 -m sglang.launch_server --model-path "$target" --port 30001 $COMMON $extra \
-    --speculative-algorithm DFLASH --speculative-draft-model-path "$draft" $spec_extra > "$out/ours.log" 2>&1 &
-  local ours=$!
-  wait_health http://127.0.0.1:30001 $ours "$out/ours.log" || { stop $ours; stop $plain; return 1; }
-  python3 -m benchmarks.soak --url http://127.0.0.1:30001 --baseline-url http://127.0.0.1:30000 $common_soak \
-    --server-pid $ours --tie-tol "$TIE_TOL" --reference-report "$out/plain.json" --out "$out/ours.json" \
-    | tee "$out/ours.txt"
-  stop $ours; stop $plain
+  for method in ${SOAK_METHODS//,/ }; do
+    local mode=() ref=(--reference-report "$out/plain.json")
+    [ "$method" = ours-fixed ] && mode=(SGLANG_DFLASH_ADAPTIVE=0) ref=()
+    setsid env "${mode[@]}" python3 -m sglang.launch_server --model-path "$target" --port $((PORT + 1)) $COMMON \
+      $extra --speculative-algorithm DFLASH --speculative-draft-model-path "$draft" $spec_extra \
+      > "$out/$method.log" 2>&1 &
+    local ours=$!
+    wait_health "$ours_url" $ours "$out/$method.log" || { stop $ours; continue; }
+    python3 -m benchmarks.soak --url "$ours_url" --baseline-url "$plain_url" $common_soak --server-pid $ours \
+      --tie-tol "$TIE_TOL" "${ref[@]}" --out "$out/$method.json" | tee "$out/$method.txt"
+    stop $ours
+  done
+  stop $plain
   python3 - "$out" "$name" <<'EOF'
 import json, subprocess, sys, datetime
 out, name = sys.argv[1], sys.argv[2]
