@@ -471,9 +471,9 @@ def judge(base: Baseline, rec: dict, tie_tol: float, logprob_tol: float) -> dict
            "request": replay_body(rec), "rid": rec.get("rid"), "retractions": rec["meta"].get("num_retractions")}
     if spec_ids == base_ids and rec["text"] == b["text"]:
         if rec["body"].get("return_logprob"):
-            worst = _logprob_diff(rec["meta"], b["meta"])
+            worst, where = _logprob_diff(rec["meta"], b["meta"])
             if worst > logprob_tol:
-                return dict(out, what="logprobs", max_diff=worst, excused=False)
+                return dict(out, what="logprobs", max_diff=worst, where=where, excused=False)
         return None
     prompt = _prompt_ids(rec)
     i = first_diff(base_ids, spec_ids)
@@ -493,14 +493,24 @@ def judge(base: Baseline, rec: dict, tie_tol: float, logprob_tol: float) -> dict
                 **(d.as_dict() if d else {"position": i}))
 
 
-def _logprob_diff(a: dict, b: dict) -> float:
-    worst = 0.0
+def _logprob_diff(a: dict, b: dict) -> tuple[float, dict | None]:
+    """The largest logprob difference between two answers with the same output ids, and where it is.
+    output_token_logprobs: the committed token's logprob at each position (same token on both sides). The top-k lists
+    are compared rank by rank on their values: two tokens whose logprobs are within the tolerance may trade ranks (a
+    near-tie of the distribution, as bf16 rounding at another batch shape swaps them for plain decoding too: on the
+    random-weight GPU targets the second place is a near-tie of Gaussian logits every ~20 tokens), so a rank held by
+    another token counts by its value, and the report says where."""
+    worst, where = 0.0, None
     for key in ("output_token_logprobs", "output_top_logprobs"):
-        for x, y in zip(a.get(key) or [], b.get(key) or []):
+        for pos, (x, y) in enumerate(zip(a.get(key) or [], b.get(key) or [])):
             xs, ys = (x, y) if key == "output_top_logprobs" else ([x], [y])
-            for (lx, tx, *_), (ly, ty, *_) in zip(xs or [], ys or []):
-                worst = max(worst, abs(lx - ly) if tx == ty else math.inf)
-    return worst
+            if len(xs or []) != len(ys or []):
+                return math.inf, {"key": key, "position": pos, "spec": xs, "base": ys}
+            for rank, ((lx, tx, *_), (ly, ty, *_)) in enumerate(zip(xs or [], ys or [])):
+                diff = math.inf if (tx != ty and key == "output_token_logprobs") else abs(lx - ly)
+                if diff > worst:
+                    worst, where = diff, {"key": key, "position": pos, "rank": rank, "spec": [lx, tx], "base": [ly, ty]}
+    return worst, where
 
 
 def compare(baseline_url: str, records: list[dict], tie_tol: float, logprob_tol: float, workers: int) -> dict:

@@ -166,6 +166,11 @@ class AcceptanceStats:
             self._evidence = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])
         return self._evidence
 
+    def has_evidence(self) -> bool:
+        """At least one (decayed) row has verified a draft: evidence_commit is more than the prior. The weight never
+        decays below the stale floor, so once true it stays true."""
+        return bool(self._observed[0] >= 1.0)
+
 
 
 class TreeStats:
@@ -302,6 +307,11 @@ class StepCostTable:
     def has(self, k: int) -> bool:
         """Width k has at least one point."""
         return bool(self._bs.get(k))
+
+    def points(self, k: int) -> list[tuple[int, float]]:
+        """Width k's points (batch size, seconds), ascending in batch size: what was measured, not interpolated."""
+        self._check(1, k)
+        return list(zip(self._bs[k], self._sec[k]))
 
     def known(self) -> bool:
         """Every width has at least one point."""

@@ -276,14 +276,15 @@ SWITCHES: tuple[Switch, ...] = (
            "decoding (serving/recurrent_state.py; H200, Qwen3.5-35B-A3B shape: 64 running requests where snapshots "
            "allowed 16-18, greedy 212 / 212 equal to plain decoding at c = 1-64, benchmarks/results/"
            "floor-qwen3.5-replay-chain-h200). 0 keeps the snapshots. Passing the flag itself turns it on as well"),
-    Switch(K0_STATE_IN_PLACE, "k0_state_in_place", _flag(False), "0", "0, 1",
-           "experimental, with the replay commit: a k = 0 step's verify (one token per request) runs SGLang's own GDN "
-           "decode kernels (conv window and recurrent state updated in place) and its commit has no fold or conv "
-           "scatter to run. H200, Qwen3.5-35B-A3B shape, c = 64: the k = 0 step's GPU work 17.75 ms per step against "
-           "plain decoding's 17.58 (18.76 with the verify's own conv and GDN kernels, the first version; "
-           "benchmarks/results/floor-qwen3.5-inplace-h200). "
-           "Exact against plain decoding of the token in the simulation with SGLang's kernels (CPU and GPU); its "
-           "greedy run through a server on a GPU is next, then it becomes the default (serving/recurrent_state.py)"),
+    Switch(K0_STATE_IN_PLACE, "k0_state_in_place", _flag(True), "1", "0, 1",
+           "with the replay commit (hybrid Gated DeltaNet targets): a k = 0 step's verify (one token per request) runs "
+           "SGLang's own GDN decode kernels (conv window and recurrent state updated in place) and its commit has no "
+           "fold or conv scatter to run, so the step's linear-attention layers do what plain decoding's do. H200, "
+           "Qwen3.5-35B-A3B shape, one bracketed run: 0.97 / 1.05 / 0.98 / 0.99x plain decoding at c = 1 / 8 / 32 / 64 "
+           "against 0.90 / 0.87 / 0.92 / 0.90 with the fold, greedy 212 / 212 equal (benchmarks/results/"
+           "floor-qwen3.5-inplace-v2-h200); exact against plain decoding of the token in the simulation with SGLang's "
+           "kernels. 0 folds at k = 0 too; where this SGLang's GDN backend lacks the replay verify the default folds "
+           "and an explicit 1 is refused at start-up (serving/recurrent_state.py)"),
     Switch(PD, "pd", _flag(False), "0", "0, 1",
            "1: serve --disaggregation-mode prefill / decode (issue #49, serving/disagg.py, docs/notes-pd.md): the "
            "prefill server writes the drafter's context K/V, SGLang's transfer moves the drafter's pool beside the "

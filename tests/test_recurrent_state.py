@@ -394,11 +394,15 @@ def test_no_pool_hook_without_the_flag(monkeypatch):
 
 
 # ----------------------------------------------------------------- k = 0 in place (SGLANG_DFLASH_K0_STATE_IN_PLACE)
-@pytest.mark.parametrize("on,fold,width,expect", [(False, True, 1, "fold"), (True, True, 1, "in place"),
-                                                   (True, True, 4, "fold"), (True, False, 1, "sglang")])
-def test_in_place_commit_only_when_switched_on_at_one_token_on_a_fold_pool(monkeypatch, on, fold, width, expect):
-    """Off by default; on, only a one-token verify on a fold pool commits in place (its verify hook updated the state);
-    wider verifies fold, and a pool without the fold keeps SGLang's commit."""
+@pytest.mark.parametrize("on,fold,width,expect,unavailable", [
+    (False, True, 1, "fold", False), (True, True, 1, "in place", False), (True, True, 4, "fold", False),
+    (True, False, 1, "sglang", False), (True, True, 1, "fold", True)])
+def test_in_place_commit_only_when_switched_on_at_one_token_on_a_fold_pool(monkeypatch, on, fold, width, expect,
+                                                                          unavailable):
+    """On (the default), only a one-token verify on a fold pool commits in place (its verify hook updated the state);
+    wider verifies fold, a pool without the fold keeps SGLang's commit, and so does an SGLang on which the hook could
+    not be installed (the default there: the fold), as with the switch off."""
+    monkeypatch.setattr(recurrent_state, "_IN_PLACE_UNAVAILABLE", unavailable)
     import sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold as fold_mod
     import sglang.srt.speculative.spec_utils as spec_utils
 
@@ -415,10 +419,10 @@ def test_in_place_commit_only_when_switched_on_at_one_token_on_a_fold_pool(monke
     batch = SimpleNamespace(req_pool_indices=torch.tensor([0, 1]), seq_lens=torch.tensor([4, 9]),
                             mamba_track_indices=None)
     commit.after_accept(FakeBackend(), batch, batch.seq_lens, torch.ones(2, dtype=torch.int32), width)
-    assert commit.in_place == (on and fold) and seen == [expect]
+    assert commit.in_place == (on and fold and not unavailable) and seen == [expect]
 
 
-def test_in_place_hook_installed_only_when_switched_on(monkeypatch):
+def _fresh_hooks(monkeypatch) -> list:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     registered = []
@@ -426,12 +430,38 @@ def test_in_place_hook_installed_only_when_switched_on(monkeypatch):
     monkeypatch.setattr(HookRegistry, "apply_hooks", lambda: None)
     monkeypatch.setattr(recurrent_state, "_POOL_HOOK_INSTALLED", False)
     monkeypatch.setattr(recurrent_state, "_IN_PLACE_HOOK_INSTALLED", False)
+    monkeypatch.setattr(recurrent_state, "_IN_PLACE_UNAVAILABLE", False)
+    return registered
+
+
+def test_in_place_hook_installed_unless_switched_off(monkeypatch):
+    """On by default (2026-11-28: 212 / 212 greedy equal and 0.97-0.99x plain decoding on the Qwen3.5 shape,
+    benchmarks/results/floor-qwen3.5-inplace-v2-h200); SGLANG_DFLASH_K0_STATE_IN_PLACE=0 keeps the fold at k = 0."""
+    registered = _fresh_hooks(monkeypatch)
     args = SimpleNamespace(enable_linear_replayssm_spec=True)
+    monkeypatch.setenv(settings.K0_STATE_IN_PLACE, "0")
     recurrent_state.install_replay_pool_hook(args)
     assert registered == [compat.HYBRID_REQ_POOL_HOOK]
-    monkeypatch.setenv(settings.K0_STATE_IN_PLACE, "1")
+    monkeypatch.delenv(settings.K0_STATE_IN_PLACE)
     recurrent_state.install_replay_pool_hook(args)
     assert registered == [compat.HYBRID_REQ_POOL_HOOK, compat.GDN_EXTEND_HOOK]
+
+
+def test_in_place_default_folds_on_an_sglang_without_the_protocol(monkeypatch):
+    """An SGLang whose GDN backend has no replay fold verify: by default the worker folds at k = 0 as at every
+    width (no hook, and the commit must then not skip the fold: in_place False); asked for by name, a start-up
+    error that names the fix."""
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    registered = _fresh_hooks(monkeypatch)
+    monkeypatch.delattr(gdn_backend.GDNAttnBackend, "_replayssm_fold_target_verify")
+    args = SimpleNamespace(enable_linear_replayssm_spec=True)
+    monkeypatch.setenv(settings.K0_STATE_IN_PLACE, "1")
+    with pytest.raises(recurrent_state.DFlashStartupError, match="Fix: unset"):
+        recurrent_state.install_replay_pool_hook(args)
+    monkeypatch.delenv(settings.K0_STATE_IN_PLACE)
+    recurrent_state.install_replay_pool_hook(args)
+    assert compat.GDN_EXTEND_HOOK not in registered and recurrent_state._IN_PLACE_UNAVAILABLE
 
 
 @pytest.mark.parametrize("mode,width,fold", [("extend", 1, True), ("verify", 4, True), ("verify", 1, False)])

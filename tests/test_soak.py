@@ -5,6 +5,7 @@ The soak against a real DFLASH server is tests/serving/test_soak_cpu.py."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -141,3 +142,23 @@ def test_soak_reports_a_corrupted_token_and_a_leak(fake, tmp_path):
                        if m["what"] == "tokens"), bad[:3]
     assert rep["failures"] == len(bad) and "request" in bad[0]
     assert not rep["pool"]["idle_again"] and rep["pool"]["end"]["num_used_tokens"] > 0
+
+
+def test_logprob_diff_lets_near_tied_tokens_trade_ranks_and_nothing_else():
+    """GPU soak, 2026-11-28: every logprob answer of a bf16 random-weight target "differed" from plain decoding's with
+    the same output ids, because the second place of a top-2 list is a near-tie there (plain decoding swaps it at
+    another batch shape too). Ranks are compared by value: a swap within the tolerance is no mismatch, a rank whose
+    value moved is, and so is another committed token."""
+    base = {"output_token_logprobs": [[-0.01, 7, None], [-0.02, 9, None]],
+            "output_top_logprobs": [[[-0.01, 7, None], [-5.000, 3, None]], [[-0.02, 9, None], [-6.0, 4, None]]]}
+    swapped = {"output_token_logprobs": [[-0.01, 7, None], [-0.02, 9, None]],
+               "output_top_logprobs": [[[-0.01, 7, None], [-5.003, 8, None]], [[-0.02, 9, None], [-6.0, 4, None]]]}
+    worst, where = soak._logprob_diff(swapped, base)
+    assert worst == pytest.approx(0.003) and where["key"] == "output_top_logprobs" and where["rank"] == 1
+    moved = {**swapped, "output_top_logprobs": [[[-0.01, 7, None], [-5.5, 8, None]], [[-0.02, 9, None], [-6.0, 4, None]]]}
+    assert soak._logprob_diff(moved, base)[0] == pytest.approx(0.5)
+    other = {**base, "output_token_logprobs": [[-0.01, 7, None], [-0.02, 8, None]]}
+    assert soak._logprob_diff(other, base)[0] == math.inf
+    shorter = {**base, "output_top_logprobs": [[[-0.01, 7, None]], [[-0.02, 9, None], [-6.0, 4, None]]]}
+    assert soak._logprob_diff(shorter, base)[0] == math.inf
+    assert soak._logprob_diff(base, base) == (0.0, None)

@@ -167,5 +167,26 @@ def test_gpu_kernel_equals_torch_twin():
     assert_all_equal(_kernel_vs_twin("cuda"))
 
 
+
+@needs_gpu
+def test_gpu_no_compile_on_a_tree_step_after_the_start_up_warm_up():
+    """kernel_warmup.warm_tree_accept (the worker's start-up, issue #48) compiles the variant a tree step then uses:
+    the step's launch adds no kernel to the cache. N = 12 over rows of 44 columns is no other case's variant, so
+    the warm-up itself must compile exactly one."""
+    from sglang_dflash.kernels.tree_accept import _tree_accept_kernel, tree_accept
+    from sglang_dflash.serving.kernel_warmup import warm_tree_accept
+
+    def compiled() -> int:  # Triton 3.x: device_caches[device][0] is the kernel cache
+        return sum(len(entry[0]) for entry in _tree_accept_kernel.device_caches.values())
+
+    # SGLang's dtypes: seq_lens and req_pool_indices int64, req_to_token int32
+    target, tree, prefix, pool, r2t, _ = make_case(5, 12, 16, torch.int64, torch.int32, seed=3, device="cuda")
+    before = compiled()
+    assert warm_tree_accept(12, r2t)
+    assert compiled() == before + 1
+    tree_accept(target, tree, prefix, pool, r2t)
+    torch.cuda.synchronize()
+    assert compiled() == before + 1, "the tree step compiled a new variant"
+
 if __name__ == "__main__" and "--interpret" in sys.argv:
     print_interpreted(_kernel_vs_twin)

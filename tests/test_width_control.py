@@ -100,14 +100,119 @@ def test_useless_drafter_times_wide_widths_only_at_the_first_bucket(monkeypatch)
 
 @pytest.mark.parametrize("rate", [0.6, 0.9])
 def test_useful_drafter_still_times_every_width_at_each_bucket(monkeypatch, rate):
+    """A wide step's cost grows with the batch (_cost: k = 15 is 1.5 plain steps at batch 1, 2.9 at batch 32), so a
+    width's time at batch 1 does not tell its time at batch 32: every width that could be best at the new bucket is
+    timed there before the table is trusted. Since issue #45 a shape whose best possible rate cannot beat one
+    already measured at the bucket is skipped (`_cannot_win`); that uses a smaller bucket's time only as a lower
+    bound (a step does not get cheaper as the batch grows), never as the price, so it can skip k = 0 (it commits
+    one token, and at 0.9 even its batch-1 time prices it below k = 15's rate measured at 32), never a width that
+    could win."""
     rng = np.random.default_rng(1)
     ctl = _controller(monkeypatch)
     _run(ctl, 1, 100, rate, rng)
     ks = _run(ctl, 32, 100, rate, rng)
-    for k in (0, 3, 7, 15):
-        # every width is timed at the new bucket (the warm-up try plus at least one timed try); a width may stop
-        # early once its own measurement rules it out
+    for k in (3, 7, 15):
+        # every drafted width is timed at the new bucket (the warm-up try plus at least one timed try); a width may
+        # stop early once its own measurement rules it out
         assert ctl._explored[32, k] >= 2, (k, ks[:20])
+    policy, costs = ctl.policy, ctl.policy.costs
+    if ctl._explored[32, 0] < 2:  # k = 0 skipped: only where even its batch-1 time could not make it win at 32
+        best = max(policy.expected(k) / costs.cost(32, k) for k in (3, 7, 15))
+        assert policy.expected(0) / costs.cost(1, 0) < width_control.EXPLORE_MARGIN * best
+    assert ctl._explored[32, 0] >= 2 or rate == 0.9
+    true = {k: sum(rate ** i for i in range(k + 1)) / _cost(32, k) for k in (0, 3, 7, 15)}
+    assert policy.decision(32) == max(true, key=true.get)  # the table prices the new bucket right
+
+
+def _trace_cost(bs: int, k: int) -> float:
+    """H200 step seconds of benchmarks/results/oracle-c8-trace-h200 (Qwen3-8B shape, GPU-bound): a plain step
+    ~5.5 ms; at batch 8 k = 3, 7, 15 cost 1.28, 1.32, 1.42 plain steps, a little less at smaller batches."""
+    plain = 0.0054 + 0.00002 * bs
+    return plain if k == 0 else plain * (1.08 + 0.012 * k + 0.02 * bs)
+
+
+def _server_start(ctl, rate: float, seed: int = 0) -> list[tuple[int, int]]:
+    """A server's first 400 decode steps at c = 8 as in that trace: the batch grows 1 -> 2 -> 4 -> 8, a prefill
+    every 8 steps (51 in its 399), acceptance reported a step late (overlap). Returns (batch size, k) per step."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for bs, n in ((1, 10), (2, 5), (4, 15), (8, 370)):
+        steps += [(bs, k) for k in _run(ctl, bs, n, rate, rng, cost=_trace_cost, overlap=True, prefill_every=8)]
+    return steps
+
+
+def _rate_vs_pinned(steps, rate: float, pinned: int) -> float:
+    """Expected committed tokens per second of these steps over those of the same batches at the pinned width."""
+    commit = lambda k: sum(rate ** i for i in range(k + 1))  # noqa: E731
+    tokps = lambda ks: (sum(bs * commit(k) for (bs, _), k in zip(steps, ks))  # noqa: E731
+                        / sum(_trace_cost(bs, k) for (bs, _), k in zip(steps, ks)))
+    return tokps([k for _, k in steps]) / tokps([pinned] * len(steps))
+
+
+def test_useful_drafter_explores_cheaply_at_server_start():
+    """Issue #45: with an accurate drafter (full-block tau 6.5) the adaptive server was 0.945x one pinned to the full
+    block at c = 8, all of it start-up exploration (k = 0 first at every bucket, then every width). Now, once the
+    acceptance says the drafter is useful, a bucket times the full block first and skips shapes that cannot beat it
+    even at a lower bound of their step time (`_cannot_win`). In this simulation of the trace's first 400 steps the
+    steps at k < 15 drop from 67 (28 of them at k = 0; 0.958x the pinned full block) to 26 (6 at k = 0, all at batch
+    1 before any draft was verified; 0.996x): k = 0 is not timed at batches 2-8 (its batch-1 time prices it out) nor
+    k = 3 (k = 0's time does); k = 7 still is where only a loose bound exists (its own smaller bucket's time)."""
+    ctl = _controller()
+    steps = _server_start(ctl, 0.86)  # E[commit | 15] = 6.5
+    low = [(bs, k) for bs, k in steps if k < 15]
+    assert len(low) <= 40, low
+    assert all(bs == 1 for bs, k in low if k == 0), low  # no k = 0 step once the drafter showed it is useful
+    assert not any(ctl._explored[b, 0] for b in (2, 4, 8))
+    assert all(ctl._explored[b, 15] >= EXPLORE_STEPS for b in (2, 4, 8))  # the full block timed at every new bucket
+    assert ctl.policy.decision(8) == 15
+    assert _rate_vs_pinned(steps, 0.86, 15) >= 0.98
+
+
+def test_useless_drafter_server_start_is_unchanged():
+    """The same start-up with a random drafter (tau ~1): nothing is skipped that was timed before (the order stays
+    k = 0 first and no drafted width gets a measured rate to prune against); k = 0 is chosen everywhere, the wide
+    steps are the first bucket's try of k = 3 and the probes (8, as before issue #45), >= 0.97x plain decoding."""
+    ctl = _controller()
+    steps = _server_start(ctl, 0.0)
+    wide = [(bs, k) for bs, k in steps if k > 0]
+    assert len(wide) <= 8, wide
+    assert all(ctl._explored[b, 0] >= EXPLORE_STEPS for b in (1, 2, 4, 8))
+    assert all(ctl.policy.decision(b) == 0 for b in (1, 2, 4, 8))
+    assert _rate_vs_pinned(steps, 0.0, 0) >= 0.97
+
+
+def test_a_skipped_width_is_timed_once_the_acceptance_drops():
+    """k = 0 was skipped at batch 8 while the drafter was useful; when the drafter turns useless the exploration loop
+    re-asks `_worth_timing` at every step (as for a width the acceptance had ruled out), so k = 0 is timed at batch 8
+    and chosen."""
+    ctl = _controller()
+    _server_start(ctl, 0.86)
+    assert not ctl._explored[8, 0]
+    ks = _run(ctl, 8, 300, 0.0, np.random.default_rng(9), cost=_trace_cost, overlap=True, prefill_every=8)
+    assert ctl._explored[8, 0] >= EXPLORE_STEPS
+    assert ctl.policy.costs.cost(8, 0) == pytest.approx(_trace_cost(8, 0), rel=1e-6)
+    assert ctl.policy.decision(8) == 0 and sum(k == 0 for k in ks[-100:]) >= 90
+
+
+def test_time_floor_uses_only_bounds_that_hold(monkeypatch):
+    """A shape's floor at a bucket: its own and narrower widths' points at that bucket or smaller ones; never a
+    wider width's, never a bigger bucket's. Without a floor a shape is timed whatever has been measured."""
+    ctl = _controller(monkeypatch)
+    costs = ctl.policy.costs
+    costs.set(2, 0, 0.005)
+    costs.set(8, 3, 0.007)
+    costs.set(16, 0, 0.009)  # a bigger bucket: bounds nothing at bucket 8
+    costs.set(8, 15, 0.008)  # wider: bounds nothing for k = 7
+    assert ctl._time_floor(8, 0) == 0.005  # own, smaller bucket
+    assert ctl._time_floor(6, 7) == 0.007  # a narrower width at the same bucket (batch sizes 5-8)
+    assert ctl._time_floor(4, 7) == 0.005  # bucket 4: only k = 0's point at 2
+    assert ctl._time_floor(1, 15) is None
+    for _ in range(50):
+        ctl.policy.stats.update(np.full(8, 16), 15)  # every draft accepted: E[commit | 15] = 16
+    assert ctl._cannot_win(8, 0, False)  # 1 / 5 ms < 0.9 * 16 / 8 ms
+    assert not ctl._cannot_win(1, 0, False)  # nothing measured at bucket 1 to beat
+    assert ctl._cannot_win(8, 7, False)  # 8 / 7 ms (its floor: k = 3's time) < 0.9 * 16 / 8 ms
+    assert not ctl._cannot_win(8, 15, False)  # 16 / 8 ms beats k = 3's 4 / 7 ms
 
 
 def test_marginal_width_ruled_out_by_interpolated_cost(monkeypatch):
@@ -149,6 +254,9 @@ def test_cycle_time_is_the_step_cost(overlap, gpu_bound):
     both rhythms."""
     rng = np.random.default_rng(2)
     ctl = _controller()
+    # every width timed, so every width's entry is checked (with the pruning, k = 3's measured time already rules
+    # out 7 and 15 here: all drafted widths cost the same and commit little more)
+    ctl._cannot_win = lambda *args: False
     _run(ctl, 1, 120, 0.6, rng, cost=_host_bound_cost, overlap=overlap, gpu_bound=gpu_bound)
     costs = ctl.policy.costs
     for k in (0, 3, 7, 15):

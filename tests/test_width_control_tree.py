@@ -135,6 +135,24 @@ def test_a_tree_that_costs_more_than_it_gains_is_only_probed():
     assert rate > 0.985 * _expected(CHAIN_RATE, 15) / cost(BS, 15)
 
 
+def test_a_tree_that_pays_is_timed_at_each_new_bucket_and_its_floor_is_its_own():
+    """Issue #45's pruning (`_cannot_win`) with trees: a tree step may cost less than a long chain (a small tree), so
+    its step-time floor is its own points and k = 0's only; a tree that pays is still timed at every new bucket
+    (the batch grows 1 -> 8: its batch-1 time does not tell its batch-8 time)."""
+    rng = np.random.default_rng(3)
+    ctl = _controller()
+    cost = _cost_with_tree(1.2)
+    for bs in (1, 2, 4, 8):
+        _run(ctl, bs, 60, rng, cost)
+    assert all(ctl._explored[b, TREE] >= EXPLORE_STEPS for b in (1, 2, 4, 8))
+    assert ctl.policy.decision(8, tree_ok=True) == TREE
+    costs = ctl.policy.costs
+    own_or_plain = max(s for k in (0, TREE) for b, s in costs.points(k) if b <= 8)
+    assert ctl._time_floor(8, TREE) == own_or_plain
+    costs.set(8, 7, 1.0)  # a chain width's entry (absurd here) bounds nothing about a tree step
+    assert ctl._time_floor(8, TREE) == own_or_plain
+
+
 def test_a_useless_drafter_plain_steps_and_no_tree_explored():
     """(c) nothing accepted, chain or tree: k = 0 runs, and once the evidence says no drafted shape can pay the tree
     is neither explored (at any bucket) nor probed."""

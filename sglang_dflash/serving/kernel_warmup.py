@@ -20,6 +20,12 @@ This runs both kernels once per variant with nothing to write (zero-length range
 ``req_to_token`` (its row length is a constexpr of both kernels) and with the argument dtypes SGLang's callers use
 (``DFlashDraftInputV2.prepare_for_decode``, ``alloc_for_extend``), so the compiles happen at start-up instead. It
 writes nothing. It is a cache warm-up of SGLang's own functions, not a change to them.
+
+With tree verify on (``SGLANG_DFLASH_TREE=N``, issue #48 item 2), our greedy tree accept (``kernels/tree_accept.py``)
+is compiled here too: it runs after the verify, outside every CUDA graph, so nothing else compiles it before the first
+tree step. The tree's other work needs no warm-up: the tree build and its mask are torch ops, and the verify kernel's
+tree mode is compiled when the tree verify graphs are captured (an eager-only server compiles every kernel on first
+use, the chain's as well).
 """
 
 from __future__ import annotations
@@ -71,22 +77,37 @@ def warm_kv_slot_kernels(req_to_token: torch.Tensor, max_batch: int) -> int:
     return launches
 
 
-def warm_tree_accept(tree_size: int, req_to_token: torch.Tensor) -> bool:
-    """Compile the greedy tree accept (kernels/tree_accept.py, one variant per tree size N) at start-up instead of on
-    the first tree step's latency (issue #48). It runs once on a chain tree of N nodes over a scratch row shaped like
-    the server's req_to_token rows (the kernel is specialised on their stride), so nothing the server reads is
-    written. CUDA only, and only with SGLANG_DFLASH_TREE on; returns whether it ran."""
-    if req_to_token.device.type != "cuda" or not tree_size:
-        return False
+def tree_accept_warmup_args(tree_size: int, req_to_token: torch.Tensor) -> tuple | None:
+    """The arguments of one ``tree_accept`` launch that compiles the variant every tree step of this server uses, or
+    None with trees off (tree_size 0). Triton keys a variant on the constexprs (BLOCK = next_power_of_2(N), at least
+    16), the tensors' dtypes and 16-byte alignment, and whether each integer argument is 1 or a multiple of 16; the
+    batch size is only the grid. So: a chain tree of N nodes in the dtypes a step passes (the tree int64 with a bool
+    ancestor mask, the argmax ids int64, SGLang's seq_lens and req_pool_indices int64), fresh (aligned) tensors as a
+    step's are, and a scratch row of the pool's dtype and row stride (the kernel's r2t_stride), so the launch
+    writes no row the server reads. Any device: CPU tests compare it with a step's launch."""
+    if not tree_size:
+        return None
     from ..draft_tree import chain_tree
+
+    dev = req_to_token.device
+    scratch = torch.zeros(1, req_to_token.stride(0), dtype=req_to_token.dtype, device=dev)
+    prefix = torch.zeros(1, dtype=torch.int64, device=dev)  # ScheduleBatch.seq_lens
+    tree = chain_tree(prefix, torch.zeros(1, tree_size - 1, dtype=torch.int64, device=dev))
+    return torch.zeros(1, tree_size, dtype=torch.int64, device=dev), tree, prefix, prefix.clone(), scratch
+
+
+def warm_tree_accept(tree_size: int, req_to_token: torch.Tensor) -> bool:
+    """Compile the greedy tree accept (kernels/tree_accept.py) at start-up instead of on the first tree step's
+    latency (issue #48): one launch on ``tree_accept_warmup_args``. CUDA only (CPU servers run its torch twin), and
+    only with SGLANG_DFLASH_TREE on; returns whether it ran."""
+    args = tree_accept_warmup_args(tree_size, req_to_token) if req_to_token.device.type == "cuda" else None
+    if args is None:
+        return False
     from ..kernels.tree_accept import tree_accept
 
-    dev, t0 = req_to_token.device, time.perf_counter()
-    scratch = torch.zeros(1, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
-    zeros = torch.zeros(1, dtype=torch.int64, device=dev)  # prefix (ScheduleBatch.seq_lens), req_pool_indices
-    tree = chain_tree(zeros, torch.zeros(1, tree_size - 1, dtype=torch.int64, device=dev))
-    tree_accept(torch.zeros(1, tree_size, dtype=torch.int64, device=dev), tree, zeros, zeros.clone(), scratch)
-    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    tree_accept(*args)
+    torch.cuda.synchronize(req_to_token.device)
     logger.info("sglang-dflash: compiled the tree accept kernel for trees of %d nodes ahead of serving (%.1f s)",
                 tree_size, time.perf_counter() - t0)
     return True

@@ -17,7 +17,7 @@ the commit sets it afterwards, one of two ways (docs/notes-replayssm.md):
   (the one its EAGLE commit ``spec_utils.commit_mamba_states_after_verify`` calls; conv windows still roll back by
   step). The worker uses it when the pool was built for it (``replay_pool``), at every width W (k = 0 included: a
   window of one).
-- in place at k = 0 (experimental, SGLANG_DFLASH_K0_STATE_IN_PLACE=1, with the replay pool): a verify of one token
+- in place at k = 0 (the default with the replay pool since 2026-11-28; SGLANG_DFLASH_K0_STATE_IN_PLACE=0 folds): a verify of one token
   per request commits exactly that token, so it runs what SGLang's GDN decode runs (``verify_one_token_as_decode``:
   the conv window and the state updated in place by the decode kernels, no record) and the commit only fills crossed
   track slots. The replay verify reads each request's state for its output and the fold reads and writes it again,
@@ -39,6 +39,7 @@ Targets without recurrent layers: nothing here runs (`active` is False).
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import torch
@@ -66,7 +67,8 @@ class RecurrentStateCommit:
         self.model_runner = model_runner
         self.active = mambaish_config(model_runner.model_config) is not None
         self.replay = self.active and replay_pool(getattr(model_runner, "req_to_token_pool", None))
-        self.in_place = self.replay and in_place_pool(model_runner.req_to_token_pool) and settings.get(K0_STATE_IN_PLACE)
+        self.in_place = (self.replay and in_place_pool(model_runner.req_to_token_pool)
+                         and settings.get(K0_STATE_IN_PLACE) and not _IN_PLACE_UNAVAILABLE)
         # SGLang's commit takes a target worker and reads only its model runner
         self._target = SimpleNamespace(model_runner=model_runner)
         self._rows = None  # 0, 1, 2, ...: the accept index of a chain verify is a [bs, W] view of it
@@ -245,6 +247,7 @@ def boundary_steps(prefix: torch.Tensor, commit_lens: torch.Tensor, interval: in
 # ------------------------------------------------------------------------------------ the replay pool at start-up
 _POOL_HOOK_INSTALLED = False
 _IN_PLACE_HOOK_INSTALLED = False
+_IN_PLACE_UNAVAILABLE = False  # the in-place switch is on by default, and this SGLang cannot: the fold commits k = 0
 
 
 def build_pool_for_replay(original, configurator, *args, **kwargs):
@@ -259,7 +262,7 @@ def install_replay_pool_hook(server_args) -> None:
     """With --enable-linear-replayssm-spec, hook the target's pool build (``build_pool_for_replay``). Called by the
     worker's constructor: it runs in the scheduler process before SGLang builds the target's pools
     (Scheduler.init_model_worker: the draft worker, then init_memory_pools). Once per process."""
-    global _POOL_HOOK_INSTALLED, _IN_PLACE_HOOK_INSTALLED
+    global _POOL_HOOK_INSTALLED, _IN_PLACE_HOOK_INSTALLED, _IN_PLACE_UNAVAILABLE
     if not getattr(server_args, "enable_linear_replayssm_spec", False):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -270,12 +273,16 @@ def install_replay_pool_hook(server_args) -> None:
     if settings.get(K0_STATE_IN_PLACE) and not _IN_PLACE_HOOK_INSTALLED:
         from sglang.srt.layers.attention.linear import gdn_backend
 
-        if not hasattr(gdn_backend.GDNAttnBackend, "_replayssm_fold_target_verify"):
+        if hasattr(gdn_backend.GDNAttnBackend, "_replayssm_fold_target_verify"):
+            HookRegistry.register(compat.GDN_EXTEND_HOOK, verify_one_token_as_decode, HookType.AROUND)
+            _IN_PLACE_HOOK_INSTALLED = True
+            logger.info("sglang-dflash: k = 0 steps update the recurrent state in place (%s=1)", K0_STATE_IN_PLACE)
+        elif os.environ.get(K0_STATE_IN_PLACE):  # asked for by name: refuse rather than quietly fold
             raise DFlashStartupError(
                 f"{K0_STATE_IN_PLACE}=1: this SGLang's GDN backend has no replay fold verify (SGLang 0.5.17's "
                 f"protocol). Fix: unset {K0_STATE_IN_PLACE}")
-        HookRegistry.register(compat.GDN_EXTEND_HOOK, verify_one_token_as_decode, HookType.AROUND)
-        _IN_PLACE_HOOK_INSTALLED = True
-        logger.info("sglang-dflash: %s=1: k = 0 steps update the recurrent state in place (experimental)",
-                    K0_STATE_IN_PLACE)
+        else:  # the default on another SGLang: every step's commit folds, as before the switch existed
+            _IN_PLACE_UNAVAILABLE = True
+            logger.info("sglang-dflash: this SGLang's GDN backend has no replay fold verify: k = 0 steps fold their "
+                        "recurrent state like wider ones")
     HookRegistry.apply_hooks()

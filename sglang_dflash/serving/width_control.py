@@ -21,7 +21,12 @@ running per-position acceptance and a step-time table). This module feeds it wit
   an EMA of what steps cost; an entry not timed for a while is timed again (a width the table prices wrongly is
   never chosen, so it would never be corrected otherwise). A width the current estimates already rule out is not
   explored at a new bucket (`_worth_timing`): with a useless drafter, timing k = 15 at batch 128 costs ~5 plain
-  steps per try, which a short run never earns back.
+  steps per try, which a short run never earns back. Once the acceptance says the drafter is useful, a bucket times
+  the full block first, and a shape that cannot beat a rate measured at the bucket even at a lower bound of its step
+  time (its own or a narrower width's time at this bucket or a smaller one) is not timed (`_cannot_win`): at c = 8
+  with an accurate drafter start-up exploration had cost 0.945x the pinned full block (issue #45,
+  benchmarks/results/oracle-c8-trace-h200), mostly k = 0 steps at every bucket. Every shape is re-asked at every
+  step, so one skipped while it could not win is timed once the acceptance says it could.
 
 Trees (SGLANG_DFLASH_TREE=N, issue #38 item 4): the draft tree is one more shape (key B, "tree" in the log, the
 trace and the metric) for batches that qualify (``choose(bs, tree_ok)``, the worker asks ``tree_step.applies``).
@@ -87,6 +92,12 @@ REFRESH_FIRST, REFRESH_STEPS = 256, 2048
 # the batch (the verify turns compute-bound), so the estimate from smaller buckets is optimistic for k > 0 and a
 # 10% margin covers timing noise.
 EXPLORE_MARGIN = 0.9
+# The acceptance seen says the drafter is useful when the full block is expected to commit at least this many tokens
+# per step: then a bucket times the full block first (`_explore_order`). A full-block step costs 1.1-1.6 plain steps
+# at the small batches where start-up exploration happens (benchmarks/results/oracle-c8-trace-h200: 1.42 at batch 8),
+# so at 2 tokens it is the likely winner; below, k = 0 first as before (a weak drafter loses little either way: the
+# order only decides which widths can be skipped, every width that could win is still timed).
+USEFUL_COMMIT = 2.0
 OUTLIER = 4.0  # a cycle longer than this times the table's value is clipped to it (GC pause, a stall)
 TRACE_FLUSH_S = 1.0  # the step trace reaches its file at least this often (diagnostics only)
 # Tensor parallelism: the decision table is rank 0's table, shared at these step counts (a share every 16 steps while
@@ -273,9 +284,9 @@ class WidthController:
             self.policy.costs = self._share(self.local_costs)
         bucket = size_bucket(bs)
         shapes = self.shapes if tree_ok else c.ks  # a batch that cannot take a tree never times one
-        for k in shapes:  # explore: time every shape that could win at this batch size before trusting the table
+        for k in self._explore_order(shapes):  # explore: time every shape that could win here before trusting the table
             if self._explored[bucket, k] < EXPLORE_STEPS and ((bucket, k) in self._refreshing
-                                                              or self._worth_timing(bs, k)):
+                                                              or self._worth_timing(bs, k, tree_ok)):
                 self.policy.count(k)  # the summary's histogram counts every chosen step
                 return k
         for k in shapes:  # refresh: retime a shape whose entry at this bucket is old (it may be what keeps it unchosen)
@@ -291,19 +302,63 @@ class WidthController:
                 return k
         return self.policy.choose(bs, tree_ok)
 
-    def _worth_timing(self, bs: int, k: int) -> bool:
-        """Whether exploring width k at this batch size could change a decision. k = 0 is always timed (the
-        reference every other width is judged against). A wider step never costs less than a plain one, so
-        E[commit | k] ~ 1 can never pay; and once the table has k and 0 at other batch sizes, an interpolated rate far
-        below k = 0's is not worth several expensive tries (a probe still revisits it if the drafter improves)."""
-        if k == 0:
-            return True
-        if not self._could_pay(k):
+    def _explore_order(self, shapes: list[int]) -> list[int]:
+        """The order in which a bucket's shapes are timed. Once the acceptance seen says the drafter is useful, the
+        full block first: it is the likely winner, and its measured rate is what lets `_cannot_win` skip narrower
+        widths (k = 0 included) without timing them; the others then go narrowest first, so each one measured
+        bounds the step time of the wider ones. Otherwise (nothing seen yet, or a weak drafter) k = 0 first, the
+        reference, and wide widths only while the evidence says they could pay."""
+        top = self.controls.ks[-1]
+        stats = self.policy.stats
+        if stats.has_evidence() and stats.evidence_commit()[top] >= USEFUL_COMMIT:
+            return [top] + [k for k in shapes if k != top]
+        return shapes
+
+    def _worth_timing(self, bs: int, k: int, tree_ok: bool = False) -> bool:
+        """Whether exploring shape k at this batch size could change a decision. A wider step never costs less than
+        a plain one, so E[commit | k] ~ 1 can never pay; once the table has k and 0 at other batch sizes, an
+        interpolated rate far below k = 0's is not worth several expensive tries (a probe still revisits it if the
+        drafter improves); and a shape whose best possible rate here is below one measured here cannot win
+        (`_cannot_win`). Re-asked at every step, so a shape skipped now is timed as soon as the acceptance says it
+        could win (the same path for all three reasons). tree_ok: the tree's rate counts as a rival."""
+        if k != 0:
+            if not self._could_pay(k):
+                return False
+            policy, costs = self.policy, self.policy.costs
+            if costs.has(k) and costs.has(0) and (policy.expected(k) / costs.cost(bs, k)
+                                                  < EXPLORE_MARGIN * policy.expected(0) / costs.cost(bs, 0)):
+                return False
+        return not self._cannot_win(bs, k, tree_ok)
+
+    def _cannot_win(self, bs: int, k: int, tree_ok: bool) -> bool:
+        """Shape k cannot beat a shape already measured at this bucket even at its cheapest possible step time:
+        E[commit | k] / (a lower bound of its step time) is below EXPLORE_MARGIN times the best measured rate.
+
+        Only bounds that hold are used (`_time_floor`), never another bucket's time as an estimate: a wide step's cost
+        grows with the batch, so the width that could be best is timed at every bucket; this only skips shapes that
+        lose even if they cost no more than the floor. Where there is no floor (nothing narrower measured yet) k is
+        timed. Reads only the decision table, the acceptance and the batch size, so every tensor-parallel rank agrees
+        (module docstring). The commit is the smoothed estimate the decision itself uses; the margin covers timing
+        noise in the floor and the rival's median."""
+        floor = self._time_floor(bs, k)
+        if floor is None:
             return False
-        policy, costs = self.policy, self.policy.costs
-        if costs.has(k) and costs.has(0):
-            return policy.expected(k) / costs.cost(bs, k) >= EXPLORE_MARGIN * policy.expected(0) / costs.cost(bs, 0)
-        return True
+        policy, costs, bucket = self.policy, self.policy.costs, size_bucket(bs)
+        rivals = [i for i in (self.shapes if tree_ok else self.controls.ks)
+                  if i != k and any(size_bucket(b) == bucket for b, _ in costs.points(i))]
+        best = max((policy.expected(i) / costs.cost(bs, i) for i in rivals), default=None)
+        return best is not None and policy.expected(k) / floor < EXPLORE_MARGIN * best
+
+    def _time_floor(self, bs: int, k: int) -> float | None:
+        """A lower bound on a step of shape k at this bucket, from the decision table, or None. Two rules hold: a
+        shape's step does not get cheaper as the batch grows, and a chain step that verifies more drafts does all
+        the work of one that verifies fewer (adaptive.best_width's running maximum). So every point of k or of a
+        narrower chain width at this bucket or a smaller one bounds it from below (the batch sizes of a bucket share
+        its exploration, as everywhere here). The tree's floor: its own points and k = 0's (a small tree may cost
+        less than a long chain)."""
+        costs, bucket = self.policy.costs, size_bucket(bs)
+        below = [0, k] if k == self.tree else [i for i in self.controls.ks if i <= k]
+        return max((s for i in below for b, s in costs.points(i) if size_bucket(b) <= bucket), default=None)
 
     def _could_pay(self, k: int) -> bool:
         """k = 0 is the reference; a wider step never costs less than a plain one, so it can pay only if it commits
