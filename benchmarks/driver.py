@@ -29,7 +29,9 @@ Methods (``--methods``, in this order by default, so that the greedy cross-check
   random-weight step cost, a projection;
 - ``<ours method>-inplace`` (``ours-inplace``, ``ours-k0-inplace``, ...): that method with
   ``SGLANG_DFLASH_K0_STATE_IN_PLACE=1`` (a hybrid target's k = 0 steps update the recurrent state in place,
-  serving/recurrent_state.py; experimental);
+  serving/recurrent_state.py; the default since 2026-11-28, the suffix pins it);
+- ``<ours method>-short`` (``ours-short``, ``ours-k3-short-oracle``, ...): that method with
+  ``SGLANG_DFLASH_SHORT_DRAFT=1`` (a step of k < B - 1 drafts runs the drafter on k + 1 positions; experimental);
 - ``<method>-rerun``: the same server as ``<method>``, run again under its own name. ``--bracket`` appends the
   first method's rerun after all the others, so the report's ``<first>-rerun/<first>`` column is the run's own drift:
   on a host-bound target, plain decoding alone moved by up to 1.7x between runs in one loan, and the first server on
@@ -78,6 +80,7 @@ PLUGIN_CHECK = (
 
 ORACLE = "-oracle"  # a method name's suffix: oracle drafts (issue #45)
 IN_PLACE = "-inplace"  # a method name's suffix: hybrid targets' k = 0 steps update the recurrent state in place
+SHORT = "-short"  # short drafts: SGLANG_DFLASH_SHORT_DRAFT=1 (a step of k < B - 1 drafts k + 1 positions)
 ORACLE_RECORDING = "<oracle recording>"  # stands for the run's recording in method_variant's environment
 
 
@@ -93,6 +96,11 @@ def method_variant(method: str) -> tuple[str, dict]:
         if base != "ours":
             raise SystemExit(f"{method}: {IN_PLACE} is a switch of our worker (ours, ours-fixed, ours-k<N>{IN_PLACE})")
         return base, {**extra, settings.K0_STATE_IN_PLACE: "1"}
+    if method.endswith(SHORT):
+        base, extra = method_variant(method[:-len(SHORT)])
+        if base != "ours":
+            raise SystemExit(f"{method}: {SHORT} is a switch of our worker (ours, ours-k<N>{SHORT}, ...)")
+        return base, {**extra, settings.SHORT_DRAFT: "1"}
     if method.endswith(ORACLE):  # the recording's path is resolved per run (server_env)
         base, extra = method_variant(method[:-len(ORACLE)])
         if base != "ours":
@@ -113,7 +121,7 @@ def method_variant(method: str) -> tuple[str, dict]:
     if method in ("none", "builtin", "ours"):
         return method, {}
     raise SystemExit(f"unknown method {method!r}: expected none, builtin, ours, ours-fixed, ours-k<N>, ours-tree<N> or "
-                     f"ours-adaptive-tree<N>, optionally followed by {IN_PLACE}, {ORACLE} or {RERUN}")
+                     f"ours-adaptive-tree<N>, optionally followed by {IN_PLACE}, {SHORT}, {ORACLE} or {RERUN}")
 
 
 ROOT = Path(__file__).resolve().parents[1]

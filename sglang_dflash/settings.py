@@ -30,6 +30,7 @@ K = "SGLANG_DFLASH_K"
 ADAPTIVE = "SGLANG_DFLASH_ADAPTIVE"
 WIDTHS = "SGLANG_DFLASH_WIDTHS"
 K_SCHEDULE = "SGLANG_DFLASH_K_SCHEDULE"
+SHORT_DRAFT = "SGLANG_DFLASH_SHORT_DRAFT"
 LOG_EVERY_S = "SGLANG_DFLASH_LOG_EVERY_S"
 STEP_TRACE = "SGLANG_DFLASH_STEP_TRACE"
 STEP_COSTS = "SGLANG_DFLASH_STEP_COSTS"
@@ -244,6 +245,14 @@ SWITCHES: tuple[Switch, ...] = (
            "the widths k the adaptive policy may choose (each gets CUDA graphs); checked against B at start-up"),
     Switch(K_SCHEDULE, "k_schedule", _ints(one=False), "unset", "k list, e.g. 15,0,3",
            "tests: cycle through these k values step after step"),
+    Switch(SHORT_DRAFT, "short_draft", _flag(False), "0", "0, 1",
+           "1: a step that verifies k < B - 1 drafts runs the drafter on [bonus, MASK x k] (k + 1 positions, with "
+           "draft CUDA graphs of its own at every width) instead of the whole block, so a narrow step pays for the "
+           "draft positions it verifies (issue #45: at c = 128 the draft pass is ~36% of a k = 3 step's GEMM work on "
+           "the Qwen3-8B shape). The drafts differ from the whole block's first k (bidirectional attention over "
+           "fewer positions): on CPU with the SmolLM2 pair, 0.07 fewer accepted drafts per step at k = 3 and 0.08 at "
+           "k = 7 (benchmarks/results/width-acceptance-smollm2-cpu). Output unchanged (the verify decides). "
+           "Experimental: not yet measured on a GPU"),
     Switch(LOG_EVERY_S, "log_every_s", _seconds(30.0), "30", "seconds > 0",
            "period of the adaptive policy's summary line in the server log"),
     Switch(STEP_TRACE, "step_trace", _text, "unset", "file path",
@@ -326,6 +335,7 @@ class Settings:
     adaptive: bool
     widths: str | None  # parsed against the block size by adaptive.parse_widths
     k_schedule: tuple[int, ...] | None
+    short_draft: bool
     log_every_s: float
     step_trace: str | None
     step_costs: str | None

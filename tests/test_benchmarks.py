@@ -255,8 +255,12 @@ def test_driver_bracket_reruns_the_first_method(tmp_path):
     assert driver.method_variant("ours-tree16") == ("ours", {settings.ADAPTIVE: "0", settings.TREE: "16"})
     assert driver.method_variant("ours-adaptive-tree16") == ("ours", {settings.TREE: "16"})  # the policy decides
     assert driver.method_variant("ours-k0-inplace") == ("ours", {settings.K: "0", settings.K0_STATE_IN_PLACE: "1"})
+    assert driver.method_variant("ours-k3-short-oracle") == ("ours", {settings.K: "3", settings.SHORT_DRAFT: "1",
+                                                                       settings.ORACLE_DRAFTS: driver.ORACLE_RECORDING})
     with pytest.raises(SystemExit, match="a switch of our worker"):
         driver.method_variant("none-inplace")
+    with pytest.raises(SystemExit, match="a switch of our worker"):
+        driver.method_variant("builtin-short")
     with pytest.raises(SystemExit, match="unknown method"):  # before any server starts
         driver.main(["--target", "/x", "--methods", "none,nonsense", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad" / "none.json").exists()

@@ -24,8 +24,8 @@ def test_defaults():
     assert s.k is None and s.widths is None and s.k_schedule is None and s.step_trace is None
     assert s.log_every_s == 30.0 and s.cache == Path.home() / ".cache" / "sglang_dflash"
     assert [f.name for f in dataclasses.fields(Settings)] == [sw.field for sw in settings.SWITCHES]
-    assert s.tree == 0 and s.replay_ssm and s.k0_state_in_place
-    assert len(settings.SWITCHES) == 21
+    assert s.tree == 0 and s.replay_ssm and s.k0_state_in_place and not s.short_draft
+    assert len(settings.SWITCHES) == 22
 
 
 def test_values_are_parsed():

@@ -253,6 +253,17 @@ def check_tensor_parallel(cfg: DFlashConfig, server_args) -> None:
                                  "sglang-dflash worker does not gather them yet. Fix: --tp-size 1, or a DFlash drafter")
 
 
+def check_short_draft(cfg: DFlashConfig) -> None:
+    """SGLANG_DFLASH_SHORT_DRAFT=1 (a narrow step drafts k + 1 positions) with a DFlash2 drafter: its convolutions
+    run over whole blocks of block_size rows (dflash2.GroupedCausalConv), which a short draft pass is not."""
+    from ..settings import SHORT_DRAFT, current
+
+    if current().short_draft and cfg.is_dflash2:
+        raise DFlashStartupError(f"{SHORT_DRAFT}=1 with a DFlash2 drafter ({cfg.architecture}): its convolutions run "
+                                 f"over whole blocks of {cfg.block_size} positions, and a short draft pass has k + 1. "
+                                 f"Fix: unset {SHORT_DRAFT}, or a DFlash drafter")
+
+
 def check_tree(cfg: DFlashConfig, server_args) -> int:
     """SGLANG_DFLASH_TREE (tree verify, serving/tree_step.py): its size against the drafter's block, and the setups
     a tree verify cannot serve exactly, refused before any model loads. Returns the tree size (0: off). Hybrid
@@ -378,6 +389,7 @@ def handle_dflash_args(original, server_args) -> None:
                            release_ok=compat.pd_release_ok(), oracle=bool(settings().oracle_drafts))
     check_tensor_parallel(cfg, server_args)
     tree = check_tree(cfg, server_args)
+    check_short_draft(cfg)
     check_context_length(cfg, server_args)
     from .oracle_drafts import check_at_launch as check_oracle_drafts
 

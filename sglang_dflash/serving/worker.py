@@ -56,6 +56,7 @@ tree build or verify allocates its few [bs, N] tensors per step; neither syncs.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -165,6 +166,13 @@ class DFlashWorker(BaseSpecWorker):
         # with SGLANG_DFLASH_TREE the policy prices the tree as one more shape next to every chain width (issue #38
         # item 4: width_control.py); the tree's verify has its own graphs (tree_graphs.py), not a VerifyWidths width
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
+        # SGLANG_DFLASH_SHORT_DRAFT: a step of k < B - 1 drafts runs the drafter on k + 1 positions, with the
+        # drafter's own graphs per width (the same class on the draft runner); off: every draft pass is the block
+        from ..settings import current as _current
+
+        self._short_draft = _current().short_draft
+        short_ks = [k for k in controls.ks if 0 < k < B - 1] if self._short_draft else []
+        self._draft_widths = VerifyWidths(self.draft_runner, B, short_ks, role="draft")
         # under tensor parallelism every rank must choose the same width: the ranks share rank 0's step-time table
         self._control = WidthController(controls, B, share=TableShare.for_tp_group(),
                                         enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
@@ -191,8 +199,10 @@ class DFlashWorker(BaseSpecWorker):
         self._plain_positions = torch.empty((cap, 1), dtype=torch.int64, device=dev)  # k = 0 steps
         self._plain_cache_loc = torch.empty((cap, 1), dtype=torch.int64, device=dev)
         self._graph_drafts = torch.empty((cap, B - 1), dtype=torch.int64, device=dev)  # the draft graphs' head output
-        self._graph_head_bs: set[int] = set()  # captured draft-graph batch sizes that compute their drafts
+        # (draft width, captured batch size) of the draft graphs that compute their drafts ([:bs, :width - 1])
+        self._graph_head_bs: set[tuple[int, int]] = set()
         self._logged_q_drafts = False  # the first step drawing DFlash2 drafts from q says so in the log, once
+        self._logged_short_draft = False  # so does the first short draft pass (SGLANG_DFLASH_SHORT_DRAFT)
         self._logged_tree_step = False  # the first tree step says so in the log, once (tests look for it)
         self._logged_sampled_tree = False  # so does the first tree step with sampled rows
         # tree steps under CUDA graphs (tree_graphs.py; set up in init_cuda_graphs): the static tree buffers, the
@@ -211,11 +221,13 @@ class DFlashWorker(BaseSpecWorker):
             from ..kernels.tree_accept import tree_accept
 
             self._fill_block_inputs, self._greedy_accept, self._tree_accept = block_inputs, greedy_accept, tree_accept
-        # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request with no hidden capture
-        self._draft_spec_info = DFlashVerifyInput(
+        # the draft forward is a TARGET_VERIFY-shaped pass of B tokens per request (of k + 1 with short drafts) with
+        # no hidden capture; one spec info per width (the attention backends read the width from it)
+        self._draft_spec_infos = {w: DFlashVerifyInput(
             draft_token=torch.empty(0, dtype=torch.int64, device=dev),
-            positions=torch.empty(0, dtype=torch.int64, device=dev), draft_token_num=B,
-            capture_hidden_mode=CaptureHiddenMode.NULL)
+            positions=torch.empty(0, dtype=torch.int64, device=dev), draft_token_num=w,
+            capture_hidden_mode=CaptureHiddenMode.NULL) for w in [*self._draft_widths.widths, B]}
+        self._draft_spec_info = self._draft_spec_infos[B]
         logger.info("sglang-dflash worker ready: block=%d, draft layers=%d, target_layer_ids=%s, mask_token_id=%d, "
                     "draft attention=%s, overlap=%s, speculation: %s", B, self.cfg.num_hidden_layers,
                     list(self.cfg.target_layer_ids), self.cfg.mask_token_id, bundle.resolved_attention_backend,
@@ -292,11 +304,16 @@ class DFlashWorker(BaseSpecWorker):
             hooks.append(self._capture_draft_head)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=enabled)
         logger.info("sglang-dflash: draft CUDA graphs %s; greedy draft head %s", "captured" if enabled else "off",
-                    f"inside them for batch sizes {sorted(self._graph_head_bs)}" if self._graph_head_bs else "eager")
+                    f"inside them for batch sizes {sorted(b for _, b in self._graph_head_bs)}" if self._graph_head_bs
+                    else "eager")
         if enabled:
             self._widths.capture()
             logger.info("sglang-dflash: extra target verify graphs for widths %s: %.2f GB", self._widths.widths,
                         self._widths.graph_memory_gb)
+            if self._draft_widths.widths:
+                self._draft_widths.capture()
+                logger.info("sglang-dflash: short drafts (SGLANG_DFLASH_SHORT_DRAFT=1): draft graphs for widths %s: "
+                            "%.2f GB", self._draft_widths.widths, self._draft_widths.graph_memory_gb)
         if self._tree_buffers is not None:
             self._tree_graphs = TreeVerifyGraphs(self.model_runner, self._tree_buffers)
             self._tree_graphs.capture()
@@ -324,22 +341,23 @@ class DFlashWorker(BaseSpecWorker):
         draft logits -> tree_step.tree_of_logits -> the static tree buffers (tree_graphs.py), so a draft replay
         leaves the step's tree, its verify inputs and its kernel mask ready."""
         B = self.block
-        bs = num_tokens // B
-        greedy = self._graph_greedy_head and bs * (B - 1) <= GRAPH_HEAD_MAX_ROWS and bs <= self._graph_drafts.shape[0]
+        W = getattr(runner, "speculative_num_draft_tokens", None) or B  # the graph's block: B, or a short draft's
+        bs = num_tokens // W
+        greedy = self._graph_greedy_head and bs * (W - 1) <= GRAPH_HEAD_MAX_ROWS and bs <= self._graph_drafts.shape[0]
         buffers = self._tree_buffers
-        tree = buffers is not None and bs * (B - 1) <= GRAPH_TREE_MAX_ROWS and bs <= buffers.max_bs
+        tree = W == B and buffers is not None and bs * (B - 1) <= GRAPH_TREE_MAX_ROWS and bs <= buffers.max_bs
         if not (greedy or tree):
             return
-        hidden = out.hidden_states[:num_tokens].view(bs, B, -1)[:, 1:].reshape(bs * (B - 1), -1)
-        anchors = forward_batch.input_ids[:num_tokens].view(bs, B)[:, 0]  # the blocks' bonus tokens
+        hidden = out.hidden_states[:num_tokens].view(bs, W, -1)[:, 1:].reshape(bs * (W - 1), -1)
+        anchors = forward_batch.input_ids[:num_tokens].view(bs, W)[:, 0]  # the blocks' bonus tokens
         if not tree:
-            self._graph_drafts[:bs].copy_(self.draft_model.greedy_drafts(hidden, anchors).view(bs, B - 1))
-            self._graph_head_bs.add(bs)
+            self._graph_drafts[:bs, :W - 1].copy_(self.draft_model.greedy_drafts(hidden, anchors).view(bs, W - 1))
+            self._graph_head_bs.add((W, bs))
             return
         logits = self.draft_model.draft_logits(hidden)  # one lm_head pass for both heads
         if greedy:  # greedy_drafts = vocab.greedy(draft_logits) for a DFlash drafter (trees refuse DFlash2)
             self._graph_drafts[:bs].copy_(self.draft_model.vocab.greedy(logits).view(bs, B - 1))
-            self._graph_head_bs.add(bs)
+            self._graph_head_bs.add((B, bs))
         # the draft pass's seq_lens are the committed lengths (the prefix), its req_pool_indices the requests' rows:
         # static buffers of the draft graph, refilled by each replay
         buffers.store(tree_step.tree_of_logits(self.draft_model, logits, anchors, self._tree_size),
@@ -429,18 +447,20 @@ class DFlashWorker(BaseSpecWorker):
         W = k + 1
         self._control.step_begin(bs, k)  # a step's cost is its cycle: from here to the next decode step's start
 
-        # 1) draft: one drafter pass over [bonus, MASK...], drafts for positions 1..k (none when k = 0): point
-        #    masses, except a DFlash2 drafter's for sampled rows, drawn from its selector's q (kept for the accept)
-        block_lens = None  # host-side lengths of a full block: the draft's, and the full-width verify's
+        # 1) draft: one drafter pass over [bonus, MASK...] (the block, or k + 1 positions with short drafts), drafts
+        #    for positions 1..k (none when k = 0): point masses, except a DFlash2 drafter's for sampled rows, drawn
+        #    from its selector's q (kept for the accept)
+        draft_width = W if self._short_draft else B
+        draft_lens = None  # host-side lengths at the draft's width: the draft's, and the verify's at that width
         draft = None
         keys = self._step_keys(batch)  # the draws' keys while a live request has a seed (seeds.py), else None
         if k > 0:
-            block_lens = self._host_lens(batch, state, B)
+            draft_lens = self._host_lens(batch, state, draft_width)
             verify_ids = self._verify_ids[:bs * W].view(bs, W)  # contiguous for every width
             block_ids, positions, cache_loc = self._block_inputs(batch, state.bonus_tokens, prefix, bs, verify_ids)
             with _phase("dflash.draft"):
-                draft = self._draft(batch, block_ids, positions, cache_loc, prefix, block_lens, bs, k,
-                                    self._draft_temperature(batch), keys)
+                draft = self._draft(batch, block_ids, positions, cache_loc, prefix, draft_lens, bs, k,
+                                    self._draft_temperature(batch), keys, width=draft_width)
             verify_ids[:, 1:] = draft.tokens
             if self._oracle is not None and draft.q is None:  # benchmarks only: after the drafter's real pass, the
                 # recorded continuation cut by the profile, one launch (oracle_drafts.py; not for drafts drawn from q)
@@ -456,7 +476,7 @@ class DFlashWorker(BaseSpecWorker):
         # (the verify forward also commits the rows' context K/V into the draft cache: context_commit.py)
         self._recurrent.before_verify(batch)
         with _phase("dflash.verify"), self._widths.target_at(W):
-            verify_lens = block_lens if W == B else self._host_lens(batch, state, W)  # W = B: k > 0, lens set
+            verify_lens = draft_lens if k > 0 and W == draft_width else self._host_lens(batch, state, W)
             logits, graphed = self._verify(batch, verify_ids, positions, cache_loc, verify_lens, bs, W)
             verify_backend = self.model_runner.attn_backend  # this width's (verify_widths.py)
 
@@ -624,14 +644,22 @@ class DFlashWorker(BaseSpecWorker):
         # which the argmax path drafts best
         return torch.where(info.top_ks.reshape(-1) <= 1, 0.0, info.temperatures.reshape(-1).float())
 
-    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k, temperature, keys=None):
-        """The drafts of block positions 1..k (the pass itself always covers the whole block), a DraftBlock of [bs, k]
-        tokens: point masses where temperature (``_draft_temperature``) is None; else the DFlash2 selector's path,
-        drawn from q at each row's temperature, with the candidates and q the accept needs (with the seeded noise
-        of (keys, prefix + i) where the step has keys: ``_step_keys``)."""
-        out = self._draft_forward(batch, block_ids, positions, cache_loc, prefix, host_lens, bs)
-        graph_head = (out.can_run_graph
-                      and getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None) in self._graph_head_bs)
+    def _draft(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, k, temperature, keys=None,
+               width=None):
+        """The drafts of block positions 1..k, a DraftBlock of [bs, k] tokens: point masses where temperature
+        (``_draft_temperature``) is None; else the DFlash2 selector's path, drawn from q at each row's temperature,
+        with the candidates and q the accept needs (with the seeded noise of (keys, prefix + i) where the step has
+        keys: ``_step_keys``). The pass covers ``width`` block positions: the whole block (None, B), or k + 1 with
+        short drafts (the drafter's graphs at that width; host_lens are that width's)."""
+        width = width or self.block
+        if width != self.block and not self._logged_short_draft:
+            self._logged_short_draft = True
+            logger.info("sglang-dflash: first short draft pass (k = %d: %d block positions of %d)", k, width, self.block)
+        widths = self._draft_widths.target_at(width) if width != self.block else contextlib.nullcontext()
+        with widths:
+            out = self._draft_forward(batch, block_ids, positions, cache_loc, prefix, host_lens, bs, width)
+            replayed = getattr(self.draft_runner.decode_cuda_graph_runner, "bs", None)  # this width's graph runner
+        graph_head = out.can_run_graph and (width, replayed) in self._graph_head_bs
         if graph_head and temperature is None:
             return DraftBlock(self._graph_drafts[:bs, :k])  # computed by the replayed graph (_capture_draft_head)
         # The draft graphs record the argmax head only. A DFlash2 batch with sampled rows runs its head eagerly on
@@ -642,7 +670,7 @@ class DFlashWorker(BaseSpecWorker):
         # Contiguous 2-D rows for the lm_head: a strided 3-D view sent cuBLAS to a kernel 20x slower (profiled:
         # 14 ms of a 38 ms step at bs=32 on an 8B-shaped pair).
         # Only the k rows that will be verified go through the lm_head (its [V, H] read dominates at small batch).
-        hidden = hidden[: bs * self.block].view(bs, self.block, -1)[:, 1:k + 1].reshape(bs * k, -1)
+        hidden = hidden[: bs * width].view(bs, width, -1)[:, 1:k + 1].reshape(bs * k, -1)
         anchors = block_ids[:, 0]  # the blocks' bonus tokens, where DFlash2's selector path starts
         if temperature is None:
             return DraftBlock(self.draft_model.greedy_drafts(hidden, anchors).view(bs, k))
@@ -658,16 +686,21 @@ class DFlashWorker(BaseSpecWorker):
             return self.draft_model.propose(hidden, anchors, temperature)
         return self.draft_model.propose(hidden, anchors, temperature, None, keys, prefix)
 
-    def _draft_forward(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs):
+    def _draft_forward(self, batch, block_ids, positions, cache_loc, prefix, host_lens, bs, width=None):
         """The drafter's one pass over the blocks [bonus, MASK x (B-1)] (a TARGET_VERIFY-shaped batch, the draft
-        CUDA graphs where captured); its output holds the final draft hidden rows of every block position."""
+        CUDA graphs where captured); its output holds the final draft hidden rows of every block position. width < B
+        (short drafts): the first width positions of each block, the same ids, positions and KV slots."""
+        width = width or self.block
+        if width != self.block:  # contiguous [bs, width] rows of the [bs, B] block inputs
+            block_ids, positions, cache_loc = (t[:, :width].contiguous() for t in (block_ids, positions, cache_loc))
         seq_lens_cpu, seq_lens_sum = host_lens
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
             req_pool_indices=batch.req_pool_indices, seq_lens=prefix, out_cache_loc=cache_loc.reshape(-1),
             seq_lens_sum=seq_lens_sum if seq_lens_sum is not None else 0, seq_lens_cpu=seq_lens_cpu,
             positions=positions.reshape(-1), spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=self._draft_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL)
+            spec_info=self._draft_spec_infos[width] if width != self.block else self._draft_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL)
         with torch.inference_mode():
             return self.draft_runner.forward(fb)
 

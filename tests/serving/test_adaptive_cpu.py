@@ -7,7 +7,9 @@ widths, back-to-back plain steps), on a server that also chunks prefills (16 tok
 320-token KV pool) and reuses radix prefixes (--enable-cache-report proves the hits). Greedy outputs must equal
 the shared no-speculation baseline; sampled tokens must lie inside the target's processed support; a seeded sampled
 request gives the same output alone and in a concurrent batch, whatever widths the schedule puts at its positions.
-The policy's decisions themselves are unit-tested in tests/test_adaptive.py.
+A second server runs the same schedule with short drafts (SGLANG_DFLASH_SHORT_DRAFT=1: a step of k < B - 1 drafts
+runs the drafter on k + 1 positions): the same greedy equality. The policy's decisions themselves are unit-tested in
+tests/test_adaptive.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .compare import (FLOAT32, SPEC_ARGS, assert_multi_token, assert_valid_sampl
                       log_count, port, wait_all_healthy)
 from .models import TRAIN_PROMPT_SEED, random_prompts  # noqa: E402
 
-PORT = 30012  # not 30006: conftest.smollm2_plain's
+PORT, SHORT_PORT = 30012, 30013  # not 30006: conftest.smollm2_plain's
 SCHEDULE = "15,0,3,0,0,7,1,15,2,0"  # every step switches width; plain steps back to back; the full block recurs
 MAX_TOKENS = 40
 
@@ -44,10 +46,13 @@ def servers(dflash_pair, baseline):
     env = cpu_server_env(root / "stub")
     env["SGLANG_DFLASH_K_SCHEDULE"] = SCHEDULE
     spec = launch_server(target, port(PORT), root / "spec_adaptive.log", args, env)
+    short = launch_server(target, port(SHORT_PORT), root / "spec_short_draft.log", args,
+                          {**env, "SGLANG_DFLASH_SHORT_DRAFT": "1"})
     try:
-        wait_all_healthy(baseline, spec)
-        yield {"base": baseline, "spec": spec, "vocab": info["vocab"], "target": str(target)}
+        wait_all_healthy(baseline, spec, short)
+        yield {"base": baseline, "spec": spec, "short": short, "vocab": info["vocab"], "target": str(target)}
     finally:
+        short.stop()
         spec.stop()
 
 
@@ -56,11 +61,14 @@ def test_schedule_is_in_force(servers):
         "the worker did not report the forced k schedule: the test would not exercise width switches")
 
 
-def test_greedy_equal_across_switches(servers):
+@pytest.mark.parametrize("server", ["spec", "short"])
+def test_greedy_equal_across_switches(servers, server):
     prompts = random_prompts(12, servers["vocab"], seed=71, lo=8, hi=70)
-    metas = compare_greedy(servers["base"], servers["spec"], prompts, max_tokens=MAX_TOKENS, max_workers=24,
+    metas = compare_greedy(servers["base"], servers[server], prompts, max_tokens=MAX_TOKENS, max_workers=24,
                            max_excused_prompts=1)
     assert_multi_token(metas, "greedy requests under the k schedule")
+    if server == "short":  # the narrow steps really drafted k + 1 positions
+        assert log_count(servers["short"], "first short draft pass") >= 1
 
 
 def test_radix_hit_across_switches(servers):
