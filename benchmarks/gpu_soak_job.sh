@@ -62,8 +62,11 @@ soak_pair() {  # NAME TARGET DRAFT VOCAB PROMPTS EXTRA_SERVER_ARGS EXTRA_SPEC_AR
   setsid python3 -m sglang.launch_server --model-path "$target" --port "$PORT" $COMMON $extra > "$out/plain.log" 2>&1 &
   local plain=$!
   wait_health "$plain_url" $plain "$out/plain.log" || { stop $plain; return 1; }
+  # SOAK_WEIGHTS: the mix's weights over soak.py's defaults. The `long` kind fills the server's whole context (40,960
+  # tokens on the 8B shape): at its default weight the first GPU soak spent most of its time in those prefills
+  # (plain decoding 380 tok/s at c = 128) and compared ~800 greedy answers in 300 s; at 1 they stay in the mix
   local common_soak="--duration-s $SOAK_S --concurrency $CONCURRENCY --vocab $vocab --max-new-tokens 1024
-    --reserve 32 --stall-clients 2 --stall-s 30 $prompts"
+    --reserve 32 --stall-clients 2 --stall-s 30 --weights ${SOAK_WEIGHTS:-{\"long\":1}} $prompts"
   python3 -m benchmarks.soak --url "$plain_url" $common_soak --server-pid $plain --out "$out/plain.json" \
     | tee "$out/plain.txt"
   for method in ${SOAK_METHODS//,/ }; do
