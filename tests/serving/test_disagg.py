@@ -205,9 +205,11 @@ def test_a_prefill_server_captures_none_of_our_graphs(monkeypatch, prefill_serve
     w._draft_worker = SimpleNamespace(init_cuda_graphs=lambda capture_decode_cuda_graph: asked.update(
         draft=capture_decode_cuda_graph))
     w._widths = SimpleNamespace(widths=[1, 4, 8, 16], graph_memory_gb=0.0, capture=lambda: asked.update(widths=True))
+    w._draft_widths = SimpleNamespace(widths=[4, 8], graph_memory_gb=0.0,  # short drafts' graphs (SHORT_DRAFT=1)
+                                      capture=lambda: asked.update(draft_widths=True))
     w.model_runner = SimpleNamespace(decode_cuda_graph_runner=None)
     w.init_cuda_graphs()
-    assert asked == ({"draft": False} if prefill_server else {"draft": True, "widths": True})
+    assert asked == ({"draft": False} if prefill_server else {"draft": True, "widths": True, "draft_widths": True})
     assert bool(w.draft_runner.capture_tail_hooks) != prefill_server  # the draft head joins captured graphs only
 
 

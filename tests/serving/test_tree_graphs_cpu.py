@@ -132,7 +132,7 @@ def test_draft_head_hook_builds_the_tree(greedy_head):
     assert torch.equal(me._tree_buffers.verify_inputs(bs)[2],
                        tree_step.verify_inputs(want, prefix, rows, req_to_token)[2])
     if greedy_head:  # the chain's drafts from the same logits: what greedy_drafts gives
-        assert me._graph_head_bs == {bs}
+        assert me._graph_head_bs == {(B, bs)}  # (draft width, batch size)
         assert torch.equal(me._graph_drafts[:bs], me.draft_model.greedy_drafts(rows_h, None).view(bs, B - 1))
     else:
         assert me._graph_head_bs == set() and (me._graph_drafts == -1).all()
@@ -149,7 +149,7 @@ def test_draft_head_hook_leaves_large_batches_to_the_eager_build(monkeypatch):
                              req_pool_indices=zeros)
         worker.DFlashWorker._capture_draft_head(me, None, SimpleNamespace(hidden_states=torch.randn(bs * B, H)), fb,
                                                 bs * B)
-    assert me._graph_tree_bs == {2} and me._graph_head_bs == {3, 2}
+    assert me._graph_tree_bs == {2} and me._graph_head_bs == {(B, 3), (B, 2)}
 
 
 class _FakeGraphRunner:
