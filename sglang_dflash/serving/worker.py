@@ -162,15 +162,15 @@ class DFlashWorker(BaseSpecWorker):
         self._prefill_server = pd_mode == "prefill"
 
         # verify widths: the policy's choices, each with its own target graphs (captured in init_cuda_graphs)
+        from ..settings import current as _settings
+
         controls = WidthControls.from_env(B)
         # with SGLANG_DFLASH_TREE the policy prices the tree as one more shape next to every chain width (issue #38
         # item 4: width_control.py); the tree's verify has its own graphs (tree_graphs.py), not a VerifyWidths width
         self._widths = VerifyWidths(self.model_runner, B, controls.ks)
         # SGLANG_DFLASH_SHORT_DRAFT: a step of k < B - 1 drafts runs the drafter on k + 1 positions, with the
         # drafter's own graphs per width (the same class on the draft runner); off: every draft pass is the block
-        from ..settings import current as _current
-
-        self._short_draft = _current().short_draft
+        self._short_draft = _settings().short_draft
         short_ks = [k for k in controls.ks if 0 < k < B - 1] if self._short_draft else []
         self._draft_widths = VerifyWidths(self.draft_runner, B, short_ks, role="draft")
         # under tensor parallelism every rank must choose the same width: the ranks share rank 0's step-time table
@@ -179,8 +179,6 @@ class DFlashWorker(BaseSpecWorker):
 
         # benchmarks only: oracle drafts (SGLANG_DFLASH_ORACLE_DRAFTS, oracle_drafts.py), refused now unless the
         # target has model-like dummy weights; built with the request pool (alloc_memory_pool). None = off, no cost
-        from ..settings import current as _settings
-
         oracle = _settings()
         self._oracle_switch, self._oracle = (oracle.oracle_drafts, oracle.oracle_profile), None
         if oracle.oracle_drafts:
